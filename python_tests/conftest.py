@@ -1,0 +1,41 @@
+"""Shared test setup: backends to test, devices, and tolerances."""
+
+import os
+
+import pytest
+import torch
+
+# Without a GPU, Triton runs under its interpreter; this must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dlion_kernels import backends  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# One rounding of the storage dtype, relative (half an ulp each way between two roundings).
+RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def backend_device(name: str) -> torch.device:
+    """Where a backend's tests run: CUDA for cuda, CUDA for triton when there is a GPU."""
+    if name == "cuda" or (name == "triton" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def fast_backends():
+    """Every non-reference backend, skipped with the reason when it cannot run here."""
+    params = []
+    for name in ("cuda", "triton", "cpu"):
+        problem = backends._problem(name, backend_device(name).type)
+        marks = [pytest.mark.skip(reason=problem)] if problem else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def assert_close_storage(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal within one rounding of the storage dtype (exact for fp32)."""
+    assert actual.dtype == expected.dtype
+    a, e = actual.detach().cpu().float(), expected.detach().cpu().float()
+    torch.testing.assert_close(a, e, rtol=RTOL[actual.dtype], atol=0.0 if actual.dtype ==
+                               torch.float32 else 1e-7, equal_nan=True)

@@ -1,0 +1,141 @@
+"""Every fast backend's three stages against the torch reference, stage by stage."""
+
+import pytest
+import torch
+from conftest import DTYPES, assert_close_storage, backend_device, fast_backends
+
+from dlion_kernels import backends, reference
+from dlion_kernels.layout import aggregate_planes, block_offsets, num_blocks, vote_planes
+
+SIZES = {
+    "1": [1],
+    "31": [31],
+    "32": [32],
+    "33": [33],
+    "4097": [4097],
+    "1e6": [1_000_003],
+    "mixed": [7, 1, 64, 33, 4097, 31, 128, 100, 2, 300, 96, 5, 1025, 63, 17, 256, 3, 999],
+}
+
+
+def _grads(sizes, dtype, device, gen, none_at=()):
+    return [
+        None if i in none_at else torch.randn(s, generator=gen).to(dtype).to(device)
+        for i, s in enumerate(sizes)
+    ]
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("votes", ["binary", "ternary"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SIZES))
+def test_local_step(backend, votes, dtype, case):
+    sizes = SIZES[case]
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(hash((case, votes, str(dtype))) % 2**31)
+    none_at = {1, 5} if len(sizes) > 2 else set()
+    grads = _grads(sizes, dtype, "cpu", gen, none_at)
+    moms = [torch.randn(s, generator=gen) for s in sizes]
+    # Some exact zeros: c == 0 must vote -1 (binary) or abstain (ternary).
+    for g, m in zip(grads, moms):
+        if g is not None and g.numel() > 3:
+            g[:3] = 0
+            m[:3] = 0
+    offsets, total = block_offsets(sizes)
+    planes = vote_planes(votes)
+
+    ref_m = [m.clone() for m in moms]
+    ref_v = torch.full((total * planes,), -1, dtype=torch.int32)
+    reference.local_step(grads, ref_m, ref_v, offsets, 0.9, 0.99, votes == "ternary")
+
+    m_dev = [m.to(device) for m in moms]
+    g_dev = [None if g is None else g.to(device) for g in grads]
+    v_dev = torch.full((total * planes,), -1, dtype=torch.int32, device=device)
+    backends.get(backend).local_step(g_dev, m_dev, v_dev, offsets, 0.9, 0.99, votes == "ternary")
+
+    assert torch.equal(v_dev.cpu(), ref_v), "votes differ from the reference"
+    for a, e in zip(m_dev, ref_m):
+        assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+
+
+def _random_votes(n, blocks, votes, gen):
+    """n valid packed vote vectors: binary random bits; ternary with plus & minus disjoint."""
+    raw = torch.randint(0, 3, (n, blocks * 32), generator=gen)  # 0: minus, 1: abstain, 2: plus
+    if votes == "binary":
+        planes = [[(raw[i] == 2) | (raw[i] == 1) & (torch.arange(blocks * 32) % 3 == 0)]
+                  for i in range(n)]
+    else:
+        planes = [[raw[i] == 2, raw[i] == 0] for i in range(n)]
+    return torch.stack([reference.pack_bits(p, blocks * 32) for p in planes])
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("votes", ["binary", "ternary"])
+@pytest.mark.parametrize("mode", ["vote", "average"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64])
+def test_tally(backend, votes, mode, n):
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(1000 * n + len(mode) + len(votes))
+    blocks = 129
+    stacked = _random_votes(n, blocks, votes, gen)
+    planes_out = aggregate_planes(mode, votes, n)
+    for step in (0, 1, 7):
+        expected = torch.empty(blocks * planes_out, dtype=torch.int32)
+        reference.tally(stacked, expected, n, mode, votes == "ternary", step)
+        out = torch.full((blocks * planes_out,), 12345, dtype=torch.int32, device=device)
+        backends.get(backend).tally(stacked.to(device), out, n, mode, votes == "ternary", step)
+        assert torch.equal(out.cpu(), expected), f"aggregate differs at step {step}"
+
+
+def test_binary_tie_rule_is_balanced():
+    """Even n, all tied: half the elements go each way, and each element alternates by step."""
+    n, blocks = 4, 8
+    ones = torch.ones(blocks * 32, dtype=torch.bool)
+    stacked = torch.stack([reference.pack_bits([ones if i % 2 else ~ones], blocks * 32)
+                           for i in range(n)])
+    signs = []
+    for step in (0, 1):
+        out = torch.empty(blocks, dtype=torch.int32)
+        reference.tally(stacked, out, n, "vote", False, step)
+        signs.append(reference.decode(out, blocks * 32, n, "vote", False))
+    assert signs[0].sum() == 0 and signs[1].sum() == 0
+    assert torch.equal(signs[0], -signs[1])
+    assert signs[0][0] == 1  # element 0 wins a tie at even steps
+
+
+def _random_aggregate(sizes, mode, votes, n, gen):
+    """A valid packed aggregate covering the tensors of ``sizes``."""
+    _, total = block_offsets(sizes)
+    if mode == "vote":
+        return _random_votes(1, total, votes, gen)[0]
+    top = n if votes == "binary" else 2 * n
+    q = torch.randint(0, top + 1, (total * 32,), generator=gen)
+    planes = aggregate_planes(mode, votes, n)
+    return reference.pack_bits([(q >> p) & 1 == 1 for p in range(planes)], total * 32)
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("votes", ["binary", "ternary"])
+@pytest.mark.parametrize("mode", ["vote", "average"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["1", "33", "4097", "1e6", "mixed"])
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_apply(backend, votes, mode, dtype, case, n):
+    sizes = SIZES[case]
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(hash((case, mode, votes, n)) % 2**31)
+    offsets, _ = block_offsets(sizes)
+    aggregate = _random_aggregate(sizes, mode, votes, n, gen)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+    expected = [p.clone() for p in params]
+    reference.apply(expected, aggregate, offsets, 3e-3, 0.1, n, mode, votes == "ternary")
+    actual = [p.to(device) for p in params]
+    backends.get(backend).apply(actual, aggregate.to(device), offsets, 3e-3, 0.1, n, mode,
+                                votes == "ternary")
+    for a, e in zip(actual, expected):
+        assert_close_storage(a, e)
+
+
+def test_num_blocks_and_offsets():
+    assert [num_blocks(s) for s in (0, 1, 31, 32, 33, 4097)] == [0, 1, 1, 1, 2, 129]
+    assert block_offsets([1, 33, 32]) == ([0, 1, 3], 4)
