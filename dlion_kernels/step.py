@@ -156,6 +156,12 @@ def check_tensors(params, grads, exp_avgs) -> torch.device | None:
 # ----------------------------------------------------------------------------- the step
 
 
+def _all_gather(output, input, group) -> None:
+    """all_gather_into_tensor, under the name torch uses from 2.13 on (all_gather_single)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def _resolve_group(group):
     if group is not None:
         return group, dist.get_world_size(group)
@@ -184,7 +190,7 @@ def _any_nonfinite(segments, device, group, n) -> tuple[bool, int]:
     if n == 1:
         return bool(flag.item()), 0
     flags = torch.empty(n, dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(flags, flag, group=group)  # every rank takes the same decision
+    _all_gather(flags, flag, group)  # every rank takes the same decision
     return bool(flags.any().item()), (n - 1) * _WORD_BYTES
 
 
@@ -262,7 +268,7 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         dist.all_to_all_single(received.view(-1), votes_buf, group=group)
         owned = torch.empty(shard * p_out, dtype=torch.int32, device=device)
         kernels.tally(received, owned, n, mode, ternary, step)
-        dist.all_gather_into_tensor(aggregate, owned, group=group)
+        _all_gather(aggregate, owned, group)
         sent = flag_bytes + (n - 1) * shard * (p_in + p_out) * _WORD_BYTES
 
     for s, rows in work:

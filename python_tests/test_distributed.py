@@ -36,26 +36,37 @@ class CountingCollectives:
         self.n, self.sent = n, 0
 
     def __enter__(self):
-        self.saved = dist.all_to_all_single, dist.all_gather_into_tensor, dist.all_reduce
-        a2a, gather, _ = self.saved
+        self.saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
         def all_to_all_single(output, input, *args, **kwargs):
             self.sent += input.numel() * input.element_size() * (self.n - 1) // self.n
-            return a2a(output, input, *args, **kwargs)
+            return self.saved["all_to_all_single"](output, input, *args, **kwargs)
 
-        def all_gather_into_tensor(output, input, *args, **kwargs):
-            self.sent += input.numel() * input.element_size() * (self.n - 1)
-            return gather(output, input, *args, **kwargs)
+        def gather(name):
+            def all_gather(output, input, *args, **kwargs):
+                self.sent += input.numel() * input.element_size() * (self.n - 1)
+                return self.saved[name](output, input, *args, **kwargs)
 
-        def all_reduce(*args, **kwargs):
-            raise AssertionError("the step must not use all_reduce")
+            return all_gather
 
-        dist.all_to_all_single, dist.all_gather_into_tensor = all_to_all_single, all_gather_into_tensor
-        dist.all_reduce = all_reduce
+        def forbidden(*args, **kwargs):
+            raise AssertionError("the step uses only all_to_all_single and all-gather")
+
+        for name in self.saved:
+            setattr(dist, name, forbidden)
+        dist.all_to_all_single = all_to_all_single
+        for name in ("all_gather_into_tensor", "all_gather_single"):
+            if name in self.saved:
+                setattr(dist, name, gather(name))
         return self
 
     def __exit__(self, *exc):
-        dist.all_to_all_single, dist.all_gather_into_tensor, dist.all_reduce = self.saved
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+                "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv")
 
 
 def _protocol_worker(rank, n, backend):
