@@ -1,0 +1,454 @@
+// CPU kernels of the three stages. Compiled with -O3 -ffp-contract=off (no FMA contraction): each
+// fp32 operation rounds once, in the order of reference.py. Work is cut into 32-element blocks so
+// that the element loops are fixed-length and vectorize at the baseline ISA (SSE2 on x86-64).
+#include "cpu/cpu_kernels.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "cpu/convert.h"
+#include "cpu/thread_pool.h"
+
+namespace dlion {
+namespace {
+
+constexpr int64_t kTaskBlocks = 2048;      // 64K elements per task for local_step / apply
+constexpr int64_t kTallyTaskBlocks = 1024;  // blocks per tally task
+constexpr int kTallyTile = 256;
+constexpr int kMaxLutPlanes = 12;           // apply/average: a table of D for q < 2^12              // blocks whose counters live on the stack at once
+
+// kBit.v[j] = 1 << j: a table, so that per-lane bit tests vectorize without variable shifts.
+struct BitTable {
+  alignas(64) uint32_t v[kBlock];
+  constexpr BitTable() : v() {
+    for (int j = 0; j < kBlock; ++j) v[j] = 1u << j;
+  }
+};
+constexpr BitTable kBit{};
+
+struct Task {
+  int64_t tensor, begin, end;  // block range [begin, end) of one tensor
+};
+
+// Blocks of every tensor of the table, cut into tasks of at most kTaskBlocks blocks.
+std::vector<Task> make_tasks(const int64_t* table, int64_t n_tensors, int64_t* total_blocks) {
+  std::vector<Task> tasks;
+  *total_blocks = 0;
+  for (int64_t t = 0; t < n_tensors; ++t) {
+    const int64_t numel = table[kRowNumel * n_tensors + t];
+    const int64_t nb = (numel + kBlock - 1) / kBlock;
+    *total_blocks += nb;
+    for (int64_t b = 0; b < nb; b += kTaskBlocks) tasks.push_back({t, b, std::min(nb, b + kTaskBlocks)});
+  }
+  return tasks;
+}
+
+// Threads worth using for `blocks` blocks of work: small calls stay on the calling thread.
+int threads_for(int64_t blocks, int threads) {
+  const int64_t useful = blocks / 1024 + 1;  // at least 32K elements per thread
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
+}
+
+// Bits of the 32 values that are > 0 (pos) and < 0 (neg); NaN is neither.
+template <bool TERNARY>
+inline void pack_signs(const float* c, uint32_t* pos, uint32_t* neg) {
+  uint32_t p = 0, q = 0;
+#if defined(__SSE2__)
+  const __m128 zero = _mm_setzero_ps();
+  for (int k = 0; k < 8; ++k) {
+    const __m128 v = _mm_loadu_ps(c + 4 * k);
+    p |= static_cast<uint32_t>(_mm_movemask_ps(_mm_cmpgt_ps(v, zero))) << (4 * k);
+    if (TERNARY) q |= static_cast<uint32_t>(_mm_movemask_ps(_mm_cmplt_ps(v, zero))) << (4 * k);
+  }
+#else
+  for (int j = 0; j < kBlock; ++j) {
+    p |= static_cast<uint32_t>(c[j] > 0.0f) << j;
+    if (TERNARY) q |= static_cast<uint32_t>(c[j] < 0.0f) << j;
+  }
+#endif
+  *pos = p;
+  *neg = q;
+}
+
+// ----------------------------------------------------------------------------- local_step
+
+template <typename G, bool HAS_G, bool TERNARY>
+void local_step_blocks(const G* g, float* m, int64_t numel, uint32_t* words, int64_t b_begin,
+                       int64_t b_end, float b1, float omb1, float b2, float omb2) {
+  alignas(16) float c[kBlock];
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    const int64_t i0 = b * kBlock;
+    const G* gb = HAS_G ? g + i0 : nullptr;
+    float* mb = m + i0;
+    if (numel - i0 >= kBlock) {
+      for (int j = 0; j < kBlock; ++j) {
+        const float gv = HAS_G ? to_f32(gb[j]) : 0.0f;
+        const float mv = mb[j];
+        c[j] = b1 * mv + omb1 * gv;
+        mb[j] = b2 * mv + omb2 * gv;
+      }
+    } else {  // the tensor's last, partial block: the bits past its end are 0
+      const int count = static_cast<int>(numel - i0);
+      for (int j = 0; j < kBlock; ++j) c[j] = 0.0f;
+      for (int j = 0; j < count; ++j) {
+        const float gv = HAS_G ? to_f32(gb[j]) : 0.0f;
+        const float mv = mb[j];
+        c[j] = b1 * mv + omb1 * gv;
+        mb[j] = b2 * mv + omb2 * gv;
+      }
+    }
+    uint32_t pos, neg;
+    pack_signs<TERNARY>(c, &pos, &neg);
+    if (TERNARY) {
+      words[2 * b] = pos;
+      words[2 * b + 1] = neg;
+    } else {
+      words[b] = pos;
+    }
+  }
+}
+
+template <typename G, bool TERNARY>
+void local_step_typed(const int64_t* table, int64_t n_tensors, uint32_t* votes, float b1,
+                      float omb1, float b2, float omb2, int threads) {
+  int64_t total_blocks = 0;
+  const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
+  constexpr int planes = TERNARY ? 2 : 1;
+  parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
+               [&](int64_t i) {
+                 const Task& task = tasks[i];
+                 const int64_t t = task.tensor, T = n_tensors;
+                 const G* g = reinterpret_cast<const G*>(table[kRowA * T + t]);
+                 float* m = reinterpret_cast<float*>(table[kRowB * T + t]);
+                 const int64_t numel = table[kRowNumel * T + t];
+                 uint32_t* words = votes + planes * table[kRowBlock * T + t];
+                 if (g != nullptr) {
+                   local_step_blocks<G, true, TERNARY>(g, m, numel, words, task.begin, task.end,
+                                                       b1, omb1, b2, omb2);
+                 } else {
+                   local_step_blocks<G, false, TERNARY>(g, m, numel, words, task.begin,
+                                                        task.end, b1, omb1, b2, omb2);
+                 }
+               });
+}
+
+template <typename G>
+void local_step_dtype(const int64_t* table, int64_t n_tensors, uint32_t* votes, float b1,
+                      float omb1, float b2, float omb2, bool ternary, int threads) {
+  if (ternary) {
+    local_step_typed<G, true>(table, n_tensors, votes, b1, omb1, b2, omb2, threads);
+  } else {
+    local_step_typed<G, false>(table, n_tensors, votes, b1, omb1, b2, omb2, threads);
+  }
+}
+
+// ----------------------------------------------------------------------------- tally
+
+// Adds the bit vector x to the bit-sliced counters cnt[0..P) of one word column.
+template <int P>
+inline void add_bits(uint32_t (*cnt)[kTallyTile], int b, uint32_t x) {
+  uint32_t carry = x;
+  for (int p = 0; p < P; ++p) {
+    const uint32_t next = cnt[p][b] & carry;
+    cnt[p][b] ^= carry;
+    carry = next;
+  }
+}
+
+// Compares the bit-sliced counters of column b with the constant k: bits where count > k (gt)
+// and where count == k (eq).
+template <int P>
+inline void compare_const(uint32_t (*cnt)[kTallyTile], int b, int64_t k, uint32_t* gt,
+                          uint32_t* eq) {
+  uint32_t g = 0, e = ~0u;
+  for (int p = P - 1; p >= 0; --p) {
+    const uint32_t c = cnt[p][b];
+    if ((k >> p) & 1) {
+      e &= c;
+    } else {
+      g |= e & c;
+      e &= ~c;
+    }
+  }
+  *gt = g;
+  *eq = e;
+}
+
+// Carry-save adder: (high, low) = the two bits of a + b + c.
+inline void csa(uint32_t& high, uint32_t& low, uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t u = a ^ b;
+  high = (a & b) | (u & c);
+  low = u ^ c;
+}
+
+// Adds 8 bit vectors to the counters of column b with a Harley-Seal tree of carry-save adders
+// (7 CSAs and one carry ripple from plane 3, instead of 8 ripples through all planes). P >= 4.
+template <int P>
+inline void add_8_bits(uint32_t (*cnt)[kTallyTile], int b, const uint32_t (&a)[8]) {
+  uint32_t ones = cnt[0][b], twos = cnt[1][b], fours = cnt[2][b];
+  uint32_t twos_a, twos_b, fours_a, fours_b, eights;
+  csa(twos_a, ones, ones, a[0], a[1]);
+  csa(twos_b, ones, ones, a[2], a[3]);
+  csa(fours_a, twos, twos, twos_a, twos_b);
+  csa(twos_a, ones, ones, a[4], a[5]);
+  csa(twos_b, ones, ones, a[6], a[7]);
+  csa(fours_b, twos, twos, twos_a, twos_b);
+  csa(eights, fours, fours, fours_a, fours_b);
+  cnt[0][b] = ones;
+  cnt[1][b] = twos;
+  cnt[2][b] = fours;
+  uint32_t carry = eights;
+  for (int p = 3; p < P; ++p) {
+    const uint32_t next = cnt[p][b] & carry;
+    cnt[p][b] ^= carry;
+    carry = next;
+  }
+}
+
+template <int P, bool TERNARY>
+void tally_blocks(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t b_begin,
+                  int64_t b_end, uint32_t* out, bool average, int out_planes, uint32_t tie) {
+  uint32_t cnt[P][kTallyTile];
+  // Ternary counts q = #plus + #(not minus) = #plus - #minus + n over 2n bit vectors.
+  constexpr int64_t kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
+  for (int64_t b0 = b_begin; b0 < b_end; b0 += kTallyTile) {
+    const int nb = static_cast<int>(std::min<int64_t>(kTallyTile, b_end - b0));
+    for (int p = 0; p < P; ++p)
+      for (int b = 0; b < kTallyTile; ++b) cnt[p][b] = 0;
+    int64_t i = 0;
+    if (P >= 4) {
+      for (; i + kGroupRows <= n; i += kGroupRows) {
+        const uint32_t* r = stacked + i * row_words + (TERNARY ? 2 * b0 : b0);
+        for (int b = 0; b < nb; ++b) {
+          uint32_t a[8];
+          for (int k = 0; k < 8; ++k) {
+            if (TERNARY) {
+              const uint32_t w = r[(k / 2) * row_words + 2 * b + (k % 2)];
+              a[k] = (k % 2) ? ~w : w;
+            } else {
+              a[k] = r[k * row_words + b];
+            }
+          }
+          add_8_bits<P>(cnt, b, a);
+        }
+      }
+    }
+    for (; i < n; ++i) {
+      const uint32_t* row = stacked + i * row_words;
+      if (TERNARY) {
+        const uint32_t* r = row + 2 * b0;
+        for (int b = 0; b < nb; ++b) {
+          add_bits<P>(cnt, b, r[2 * b]);
+          add_bits<P>(cnt, b, ~r[2 * b + 1]);
+        }
+      } else {
+        const uint32_t* r = row + b0;
+        for (int b = 0; b < nb; ++b) add_bits<P>(cnt, b, r[b]);
+      }
+    }
+    if (average) {
+      for (int b = 0; b < nb; ++b)
+        for (int p = 0; p < out_planes; ++p) out[(b0 + b) * out_planes + p] = cnt[p][b];
+    } else if (TERNARY) {  // pos: q > n, neg: q < n
+      for (int b = 0; b < nb; ++b) {
+        uint32_t gt, eq;
+        compare_const<P>(cnt, b, n, &gt, &eq);
+        out[2 * (b0 + b)] = gt;
+        out[2 * (b0 + b) + 1] = ~(gt | eq);
+      }
+    } else {  // +1 where 2k > n; a tie (2k == n, n even) takes the tie pattern
+      const uint32_t tie_mask = (n % 2 == 0) ? tie : 0u;
+      for (int b = 0; b < nb; ++b) {
+        uint32_t gt, eq;
+        compare_const<P>(cnt, b, n / 2, &gt, &eq);
+        out[b0 + b] = gt | (eq & tie_mask);
+      }
+    }
+  }
+}
+
+template <int P, bool TERNARY>
+void tally_typed(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t blocks,
+                 uint32_t* out, bool average, int out_planes, uint32_t tie, int threads) {
+  const int64_t n_tasks = (blocks + kTallyTaskBlocks - 1) / kTallyTaskBlocks;
+  const int use = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(threads, blocks * n / 4096 + 1)));
+  parallel_for(n_tasks, use, [&](int64_t task) {
+    const int64_t begin = task * kTallyTaskBlocks;
+    const int64_t end = std::min(blocks, begin + kTallyTaskBlocks);
+    tally_blocks<P, TERNARY>(stacked, row_words, n, begin, end, out, average, out_planes, tie);
+  });
+}
+
+template <bool TERNARY>
+void tally_planes(int planes, const uint32_t* stacked, int64_t row_words, int64_t n,
+                  int64_t blocks, uint32_t* out, bool average, int out_planes, uint32_t tie,
+                  int threads) {
+#define DLION_TALLY_CASE(P)                                                                   \
+  case P:                                                                                     \
+    return tally_typed<P, TERNARY>(stacked, row_words, n, blocks, out, average, out_planes, \
+                                   tie, threads);
+  switch (planes) {
+    DLION_TALLY_CASE(1)
+    DLION_TALLY_CASE(2)
+    DLION_TALLY_CASE(3)
+    DLION_TALLY_CASE(4)
+    DLION_TALLY_CASE(5)
+    DLION_TALLY_CASE(6)
+    DLION_TALLY_CASE(7)
+    DLION_TALLY_CASE(8)
+    default:
+      return tally_typed<kMaxCountPlanes, TERNARY>(stacked, row_words, n, blocks, out, average,
+                                                   out_planes, tie, threads);
+  }
+#undef DLION_TALLY_CASE
+}
+
+// ----------------------------------------------------------------------------- apply
+
+enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAverageTernary = 3 };
+
+template <typename P, int KIND>
+void apply_blocks(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
+                  int64_t b_end, float lr, float wd, int n, float nf, const float* lut) {
+  alignas(16) float d[kBlock];
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    if (KIND == kVoteBinary) {
+      const uint32_t w = words[b];
+      for (int j = 0; j < kBlock; ++j) d[j] = (w & kBit.v[j]) ? 1.0f : -1.0f;
+    } else if (KIND == kVoteTernary) {
+      const uint32_t pos = words[2 * b], neg = words[2 * b + 1];
+      for (int j = 0; j < kBlock; ++j)
+        d[j] = static_cast<float>(((pos & kBit.v[j]) ? 1 : 0) - ((neg & kBit.v[j]) ? 1 : 0));
+    } else {
+      alignas(16) int32_t q[kBlock];
+      for (int j = 0; j < kBlock; ++j) q[j] = 0;
+      for (int p = 0; p < planes; ++p) {
+        const uint32_t w = words[b * planes + p];
+        const int32_t value = int32_t{1} << p;
+        for (int j = 0; j < kBlock; ++j) q[j] += (w & kBit.v[j]) ? value : 0;
+      }
+      if (lut != nullptr) {
+        for (int j = 0; j < kBlock; ++j) d[j] = lut[q[j]];
+      } else {
+        for (int j = 0; j < kBlock; ++j) {
+          const int32_t num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
+          d[j] = static_cast<float>(num) / nf;
+        }
+      }
+    }
+    const int64_t i0 = b * kBlock;
+    P* xb = x + i0;
+    const int count = static_cast<int>(std::min<int64_t>(kBlock, numel - i0));
+    if (count == kBlock) {
+      for (int j = 0; j < kBlock; ++j) {
+        const float xf = to_f32(xb[j]);
+        xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+      }
+    } else {
+      for (int j = 0; j < count; ++j) {
+        const float xf = to_f32(xb[j]);
+        xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+      }
+    }
+  }
+}
+
+template <typename P, int KIND>
+void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
+                 float lr, float wd, int64_t n, int threads) {
+  int64_t total_blocks = 0;
+  const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
+  const float nf = static_cast<float>(n);
+  // Average: D of every possible q, by the same fp32 division (a table look-up per element).
+  std::vector<float> table_d;
+  if ((KIND == kAverageBinary || KIND == kAverageTernary) && planes <= kMaxLutPlanes) {
+    table_d.resize(size_t{1} << planes);
+    for (int32_t q = 0; q < (1 << planes); ++q) {
+      const int32_t num = KIND == kAverageBinary ? 2 * q - static_cast<int32_t>(n)
+                                                 : q - static_cast<int32_t>(n);
+      table_d[q] = static_cast<float>(num) / nf;
+    }
+  }
+  const float* lut = table_d.empty() ? nullptr : table_d.data();
+  parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
+               [&](int64_t i) {
+                 const Task& task = tasks[i];
+                 const int64_t t = task.tensor, T = n_tensors;
+                 P* x = reinterpret_cast<P*>(table[kRowA * T + t]);
+                 const int64_t numel = table[kRowNumel * T + t];
+                 const uint32_t* words = aggregate + planes * table[kRowBlock * T + t];
+                 apply_blocks<P, KIND>(x, numel, words, planes, task.begin, task.end, lr, wd,
+                                       static_cast<int>(n), nf, lut);
+               });
+}
+
+template <typename P>
+void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, float lr,
+                 float wd, int64_t n, bool average, bool ternary, int threads) {
+  if (!average) {
+    if (ternary) return apply_typed<P, kVoteTernary>(table, n_tensors, aggregate, 2, lr, wd, n, threads);
+    return apply_typed<P, kVoteBinary>(table, n_tensors, aggregate, 1, lr, wd, n, threads);
+  }
+  const int planes = bit_length(ternary ? 2 * n : n);
+  if (ternary)
+    return apply_typed<P, kAverageTernary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+  return apply_typed<P, kAverageBinary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+}
+
+void check_n(int64_t n) {
+  if (n < 1 || n > 32767)
+    throw std::invalid_argument("dlion_kernels: n (the number of vote vectors) must be in "
+                                "[1, 32767], got " + std::to_string(n));
+}
+
+}  // namespace
+
+void cpu_local_step(const int64_t* table, int64_t n_tensors, DType g_dtype, uint32_t* votes,
+                    float b1, float omb1, float b2, float omb2, bool ternary, int threads) {
+  switch (g_dtype) {
+    case DType::kFloat32:
+      return local_step_dtype<float>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+    case DType::kBFloat16:
+      return local_step_dtype<bf16>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+    case DType::kFloat16:
+      return local_step_dtype<fp16>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+  }
+  throw std::invalid_argument("dlion_kernels: unknown gradient dtype code");
+}
+
+void cpu_tally(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t blocks,
+               uint32_t* out, bool average, bool ternary, uint32_t tie, int threads) {
+  check_n(n);
+  const int count_planes = bit_length(ternary ? 2 * n : n);
+  const int out_planes = average ? count_planes : (ternary ? 2 : 1);
+  if (ternary) {
+    tally_planes<true>(count_planes, stacked, row_words, n, blocks, out, average, out_planes, tie,
+                       threads);
+  } else {
+    tally_planes<false>(count_planes, stacked, row_words, n, blocks, out, average, out_planes, tie,
+                        threads);
+  }
+}
+
+void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uint32_t* aggregate,
+               float lr, float wd, int64_t n, bool average, bool ternary, int threads) {
+  check_n(n);
+  switch (p_dtype) {
+    case DType::kFloat32:
+      return apply_dtype<float>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+    case DType::kBFloat16:
+      return apply_dtype<bf16>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+    case DType::kFloat16:
+      return apply_dtype<fp16>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+  }
+  throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
+}
+
+}  // namespace dlion

@@ -1,0 +1,24 @@
+// The three stages on the CPU (semantics: dlion_kernels/reference.py, formats: layout.py).
+// Pointers are raw host addresses; `table` is the tensor table of common.h.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace dlion {
+
+// c = b1*m + omb1*g, m = b2*m + omb2*g (fp32, one rounding each); packed vote(c) into `votes`.
+void cpu_local_step(const int64_t* table, int64_t n_tensors, DType g_dtype, uint32_t* votes,
+                    float b1, float omb1, float b2, float omb2, bool ternary, int threads);
+
+// Tally n packed vote vectors (rows of `stacked`, row_words int32 words apart, `blocks` blocks
+// each) into the packed aggregate `out`. `tie` is layout.tie_pattern(step) as 32 bits.
+void cpu_tally(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t blocks,
+               uint32_t* out, bool average, bool ternary, uint32_t tie, int threads);
+
+// x = x - lr * (D + wd * x) in fp32, D decoded from the packed aggregate; stored as p_dtype.
+void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uint32_t* aggregate,
+               float lr, float wd, int64_t n, bool average, bool ternary, int threads);
+
+}  // namespace dlion

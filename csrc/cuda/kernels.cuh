@@ -1,0 +1,408 @@
+// Device code of the three stages. Semantics: dlion_kernels/reference.py; packed formats:
+// dlion_kernels/layout.py. The launchers are in ops.cu, the one file that includes this header
+// (nvcc 13 instantiates a __global__ template only in the translation unit that launches it).
+//
+// local_step and apply walk a list of tensors in one launch: the grid is one CTA per chunk of
+// kChunk elements of one tensor; a CTA finds its tensor by binary search in the table's chunk row
+// (common.h). Inside a chunk, pass u of kUnroll covers kThreads * kVec contiguous elements, each
+// thread kVec consecutive ones (one 16-byte fp32 / 8-byte bf16/fp16 access when aligned), each
+// warp 128 elements = 4 packed words. fp32 math, one rounding per operation (__fmul_rn etc.).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "common.h"
+
+namespace dlion {
+namespace cuda {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 4;
+constexpr int kUnroll = 4;
+constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;  // 4096 elements per CTA
+constexpr int kTallyThreads = 256;
+
+enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAverageTernary = 3 };
+
+namespace detail {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+// ----------------------------------------------------------------------------- loads, stores
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// kVec consecutive elements as fp32, p aligned to kVec * sizeof(T).
+__device__ __forceinline__ void load_vec(const float* p, float (&v)[kVec]) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+}
+__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float (&v)[kVec]) {
+  const uint2 t = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
+  v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+}
+__device__ __forceinline__ void load_vec(const __half* p, float (&v)[kVec]) {
+  const uint2 t = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&t.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&t.y));
+  v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+}
+
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[kVec]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_vec(__nv_bfloat16* p, const float (&v)[kVec]) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);  // .x (low half) = v[0]
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                            *reinterpret_cast<const uint32_t*>(&hi));
+}
+__device__ __forceinline__ void store_vec(__half* p, const float (&v)[kVec]) {
+  const __half2 lo = __floats2half2_rn(v[0], v[1]);
+  const __half2 hi = __floats2half2_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                            *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+// ----------------------------------------------------------------------------- the table
+
+// The tensor that owns `chunk`: the last t with chunk_start[t] <= chunk.
+__device__ __forceinline__ int find_tensor(const int64_t* __restrict__ starts, int n_tensors,
+                                           int64_t chunk) {
+  int lo = 0, hi = n_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(starts + mid) <= chunk) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+struct Entry {
+  const void* a;
+  void* b;
+  int64_t numel, block, base;  // base: first element of this CTA's chunk
+};
+
+__device__ __forceinline__ Entry load_entry(const int64_t* __restrict__ table, int n_tensors) {
+  const int64_t chunk = blockIdx.x;
+  const int t = find_tensor(table + kRowChunk * n_tensors, n_tensors, chunk);
+  Entry e;
+  e.a = reinterpret_cast<const void*>(__ldg(table + kRowA * n_tensors + t));
+  e.b = reinterpret_cast<void*>(__ldg(table + kRowB * n_tensors + t));
+  e.numel = __ldg(table + kRowNumel * n_tensors + t);
+  e.block = __ldg(table + kRowBlock * n_tensors + t);
+  e.base = (chunk - __ldg(table + kRowChunk * n_tensors + t)) * kChunk;
+  return e;
+}
+
+// First element of this thread's kVec elements in pass u.
+__device__ __forceinline__ int64_t element_index(int64_t base, int u) {
+  return base + int64_t{u} * (kThreads * kVec) + int64_t{threadIdx.x} * kVec;
+}
+
+// OR of the kVec-bit nibbles of the 8 lanes that share a packed word, placed at their bit
+// position; lanes 0, 8, 16, 24 end with the word of their group.
+__device__ __forceinline__ uint32_t gather_word(uint32_t nibble) {
+  uint32_t w = nibble << ((threadIdx.x & 7) * kVec);
+  w |= __shfl_xor_sync(kFullMask, w, 1);
+  w |= __shfl_xor_sync(kFullMask, w, 2);
+  w |= __shfl_xor_sync(kFullMask, w, 4);
+  return w;
+}
+
+}  // namespace detail
+
+using namespace detail;  // NOLINT: helpers of the kernels below
+
+// ----------------------------------------------------------------------------- local_step
+
+// G: float | __nv_bfloat16 | __half (gradient; null = zeros); momentum is fp32.
+template <typename G, bool TERNARY>
+__global__ void __launch_bounds__(kThreads)
+    local_step_kernel(const int64_t* __restrict__ table, int n_tensors,
+                      uint32_t* __restrict__ votes, float b1, float omb1, float b2, float omb2) {
+  const Entry e = load_entry(table, n_tensors);
+  const G* __restrict__ g = static_cast<const G*>(e.a);
+  float* __restrict__ m = static_cast<float*>(e.b);
+  const bool vec_ok = reinterpret_cast<uintptr_t>(m) % (kVec * sizeof(float)) == 0 &&
+                      reinterpret_cast<uintptr_t>(g) % (kVec * sizeof(G)) == 0;
+
+  // Loads of all passes first: kUnroll * (16 + 4 * sizeof(G)) bytes in flight per thread.
+  float gv[kUnroll][kVec], mv[kUnroll][kVec];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+    if (vec_ok && i + kVec <= e.numel) {
+      load_vec(m + i, mv[u]);
+      if (g != nullptr) {
+        load_vec(g + i, gv[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const bool in = i + j < e.numel;
+        mv[u][j] = in ? m[i + j] : 0.0f;
+        gv[u][j] = (in && g != nullptr) ? to_float(g[i + j]) : 0.0f;
+      }
+    }
+  }
+
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+    uint32_t pos = 0, neg = 0;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float c = __fadd_rn(__fmul_rn(b1, mv[u][j]), __fmul_rn(omb1, gv[u][j]));
+      mv[u][j] = __fadd_rn(__fmul_rn(b2, mv[u][j]), __fmul_rn(omb2, gv[u][j]));
+      pos |= static_cast<uint32_t>(c > 0.0f) << j;
+      if (TERNARY) neg |= static_cast<uint32_t>(c < 0.0f) << j;
+    }
+    if (vec_ok && i + kVec <= e.numel) {
+      store_vec(m + i, mv[u]);
+    } else {
+      const int64_t left = e.numel - i;  // elements of this thread's kVec inside the tensor
+      const uint32_t valid = left >= kVec ? 0xFu : (left > 0 ? (1u << left) - 1u : 0u);
+      pos &= valid;
+      neg &= valid;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (i + j < e.numel) m[i + j] = mv[u][j];
+    }
+    pos = gather_word(pos);
+    if (TERNARY) neg = gather_word(neg);
+    if ((threadIdx.x & 7) == 0 && i < e.numel) {
+      const int64_t word = e.block + i / kBlock;
+      if (TERNARY) {
+        votes[2 * word] = pos;
+        votes[2 * word + 1] = neg;
+      } else {
+        votes[word] = pos;
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- apply
+
+// P: float | __nv_bfloat16 | __half (parameter); KIND: Decode.
+template <typename P, int KIND>
+__global__ void __launch_bounds__(kThreads)
+    apply_kernel(const int64_t* __restrict__ table, int n_tensors,
+                 const uint32_t* __restrict__ aggregate, int planes, float lr, float wd, int n,
+                 float nf) {
+  const Entry e = load_entry(table, n_tensors);
+  P* __restrict__ x = static_cast<P*>(const_cast<void*>(e.a));
+  const bool vec_ok = reinterpret_cast<uintptr_t>(x) % (kVec * sizeof(P)) == 0;
+
+  float xv[kUnroll][kVec];
+  uint32_t w0[kUnroll], w1[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+    if (vec_ok && i + kVec <= e.numel) {
+      load_vec(x + i, xv[u]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) xv[u][j] = i + j < e.numel ? to_float(x[i + j]) : 0.0f;
+    }
+    w0[u] = w1[u] = 0;
+    if (KIND == kVoteBinary || KIND == kVoteTernary) {
+      if (i < e.numel) {
+        const int64_t word = (e.block + i / kBlock) * planes;
+        w0[u] = __ldg(aggregate + word);
+        if (KIND == kVoteTernary) w1[u] = __ldg(aggregate + word + 1);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+    const int shift = static_cast<int>(i % kBlock);
+    float d[kVec];
+    if (KIND == kVoteBinary) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) d[j] = ((w0[u] >> (shift + j)) & 1u) ? 1.0f : -1.0f;
+    } else if (KIND == kVoteTernary) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        d[j] = __int2float_rn(static_cast<int>((w0[u] >> (shift + j)) & 1u) -
+                              static_cast<int>((w1[u] >> (shift + j)) & 1u));
+    } else {
+      int q[kVec] = {0, 0, 0, 0};
+      if (i < e.numel) {
+        const uint32_t* words = aggregate + (e.block + i / kBlock) * planes;
+        for (int p = 0; p < planes; ++p) {
+          const uint32_t w = __ldg(words + p);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) q[j] |= static_cast<int>((w >> (shift + j)) & 1u) << p;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
+        d[j] = __fdiv_rn(__int2float_rn(num), nf);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float xf = xv[u][j];
+      xv[u][j] = __fsub_rn(xf, __fmul_rn(lr, __fadd_rn(d[j], __fmul_rn(wd, xf))));
+    }
+    if (vec_ok && i + kVec <= e.numel) {
+      store_vec(x + i, xv[u]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (i + j < e.numel) x[i + j] = from_float<P>(xv[u][j]);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- tally
+
+template <int PLANES>
+__device__ __forceinline__ void add_bits(uint32_t (&cnt)[PLANES], uint32_t x) {
+  uint32_t carry = x;
+#pragma unroll
+  for (int p = 0; p < PLANES; ++p) {
+    const uint32_t next = cnt[p] & carry;
+    cnt[p] ^= carry;
+    carry = next;
+  }
+}
+
+// Bits where the bit-sliced count is > k (gt) and == k (eq).
+template <int PLANES>
+__device__ __forceinline__ void compare_const(const uint32_t (&cnt)[PLANES], int k, uint32_t& gt,
+                                              uint32_t& eq) {
+  gt = 0;
+  eq = ~0u;
+#pragma unroll
+  for (int p = PLANES - 1; p >= 0; --p) {
+    if ((k >> p) & 1) {
+      eq &= cnt[p];
+    } else {
+      gt |= eq & cnt[p];
+      eq &= ~cnt[p];
+    }
+  }
+}
+
+// Carry-save adder: (high, low) = the two bits of a + b + c.
+__device__ __forceinline__ void csa(uint32_t& high, uint32_t& low, uint32_t a, uint32_t b,
+                                    uint32_t c) {
+  const uint32_t u = a ^ b;
+  high = (a & b) | (u & c);
+  low = u ^ c;
+}
+
+// Adds 8 bit vectors with a Harley-Seal tree of carry-save adders (7 CSAs, then one ripple of
+// the eights from plane 3) instead of 8 ripples through all planes. PLANES >= 4.
+template <int PLANES>
+__device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32_t (&a)[8]) {
+  uint32_t twos_a, twos_b, fours_a, fours_b, eights;
+  csa(twos_a, cnt[0], cnt[0], a[0], a[1]);
+  csa(twos_b, cnt[0], cnt[0], a[2], a[3]);
+  csa(fours_a, cnt[1], cnt[1], twos_a, twos_b);
+  csa(twos_a, cnt[0], cnt[0], a[4], a[5]);
+  csa(twos_b, cnt[0], cnt[0], a[6], a[7]);
+  csa(fours_b, cnt[1], cnt[1], twos_a, twos_b);
+  csa(eights, cnt[2], cnt[2], fours_a, fours_b);
+  uint32_t carry = eights;
+#pragma unroll
+  for (int p = 3; p < PLANES; ++p) {
+    const uint32_t next = cnt[p] & carry;
+    cnt[p] ^= carry;
+    carry = next;
+  }
+}
+
+// One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. Ternary
+// counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors.
+template <int PLANES, bool TERNARY>
+__global__ void __launch_bounds__(kTallyThreads)
+    tally_kernel(const uint32_t* __restrict__ stacked, int64_t row_words, int n, int64_t blocks,
+                 uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie) {
+  constexpr int kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; b < blocks; b += stride) {
+    uint32_t cnt[PLANES];
+#pragma unroll
+    for (int p = 0; p < PLANES; ++p) cnt[p] = 0;
+    const uint32_t* col = stacked + (TERNARY ? 2 * b : b);
+    int i = 0;
+    if (PLANES >= 4) {
+      for (; i + kGroupRows <= n; i += kGroupRows) {
+        uint32_t a[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          if (TERNARY) {
+            const uint32_t w = __ldg(col + (i + k / 2) * row_words + (k % 2));
+            a[k] = (k % 2) ? ~w : w;
+          } else {
+            a[k] = __ldg(col + (i + k) * row_words);
+          }
+        }
+        add_8_bits(cnt, a);
+      }
+    }
+#pragma unroll 4
+    for (; i < n; ++i) {
+      const uint32_t* row = col + i * row_words;
+      if (TERNARY) {
+        const uint32_t plus = __ldg(row), minus = __ldg(row + 1);
+        add_bits(cnt, plus);
+        add_bits(cnt, ~minus);
+      } else {
+        add_bits(cnt, __ldg(row));
+      }
+    }
+    if (average) {
+#pragma unroll
+      for (int p = 0; p < PLANES; ++p)
+        if (p < out_planes) out[b * out_planes + p] = cnt[p];
+    } else if (TERNARY) {  // pos: q > n, neg: q < n
+      uint32_t gt, eq;
+      compare_const(cnt, n, gt, eq);
+      out[2 * b] = gt;
+      out[2 * b + 1] = ~(gt | eq);
+    } else {  // +1 where 2k > n; a tie (2k == n, n even) takes the tie pattern
+      uint32_t gt, eq;
+      compare_const(cnt, n / 2, gt, eq);
+      out[b] = gt | (eq & ((n % 2 == 0) ? tie : 0u));
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace dlion

@@ -1,0 +1,307 @@
+"""The ``cpu`` and ``cuda`` backends: the C++ and CUDA kernels of the native module ``_C``.
+
+Each backend object has the three stage functions of ``reference.py`` with the same arguments and
+results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounded once):
+
+- ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
+- ``tally(stacked, out, n, mode, ternary, step)``
+- ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+
+Each stage is one kernel call for the whole list of tensors. The tensors reach the kernels through
+a *tensor table* (``csrc/common.h``): an int64 tensor of 5 rows (pointer a, pointer b, numel,
+block offset, first CUDA chunk) and one column per tensor, on the tensors' device. Tables are
+cached on their content, so a steady-state optimizer step (same tensors, same offsets) builds and
+uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
+one device; this module checks what memory safety needs when it builds a table.
+
+The module imports without ``_C``: ``problem(name)`` says why a backend cannot run, and
+``backend(name)`` raises that as ``backends.BackendUnavailable``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_REBUILD = "reinstall with `pip install -e .` (or `pip install .`) from the source tree"
+_TABLE_CACHE_SIZE = 64
+
+_C = None
+_C_error: str | None = None
+_cuda_runtime_problem: str | None = None
+
+
+def _load():
+    """The native module, or None (the reason is kept in ``_C_error``)."""
+    global _C, _C_error
+    if _C is None and _C_error is None:
+        try:
+            from . import _C as module
+        except ImportError as exc:  # not built, or built for another Python / platform
+            _C_error = str(exc) or type(exc).__name__
+        else:
+            _C = module
+    return _C
+
+
+def build_info() -> str:
+    """How the native module was built, or why it cannot be loaded."""
+    C = _load()
+    return C.build_info() if C is not None else f"not available: {_C_error}"
+
+
+def problem(name: str) -> str | None:
+    """None if the native backend ``name`` ('cpu' or 'cuda') can run here, else why not and how
+    to fix it."""
+    global _cuda_runtime_problem
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"native backends are 'cpu' and 'cuda', got {name!r}")
+    C = _load()
+    if C is None:
+        return f"dlion_kernels._C is not built or cannot be loaded ({_C_error}): {_REBUILD}"
+    if name == "cpu":
+        return None
+    if not C.has_cuda():
+        return (
+            f"the native module was built without CUDA ({C.cuda_not_built_reason()}); "
+            f"set DLION_BUILD_CUDA=1 and {_REBUILD}"
+        )
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    if _cuda_runtime_problem is None:
+        _cuda_runtime_problem = C.cuda_runtime_problem()
+    if _cuda_runtime_problem:
+        return (
+            f"the native module's CUDA runtime cannot use the device ({_cuda_runtime_problem}); "
+            "update the NVIDIA driver, or rebuild with an nvcc that this driver supports"
+        )
+    return None
+
+
+_backends: dict = {}
+
+
+def backend(name: str):
+    """The stage functions of the native backend ``name`` ('cpu' or 'cuda')."""
+    reason = problem(name)
+    if reason is not None:
+        from .backends import BackendUnavailable
+
+        raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
+    if name not in _backends:
+        _backends[name] = _NativeBackend(name == "cuda")
+    return _backends[name]
+
+
+def _dtype_code(dtype: torch.dtype, what: str) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"{what} must be float32, bfloat16 or float16, got {dtype}")
+    return code
+
+
+def _check_words(t: torch.Tensor, what: str, words: int) -> None:
+    if t.dtype != torch.int32 or not t.is_contiguous():
+        raise TypeError(f"{what} must be a contiguous int32 tensor, got {t.dtype}")
+    if t.numel() < words:
+        raise ValueError(f"{what} holds {t.numel()} int32 words, the tensors need {words}")
+
+
+class _Table:
+    """A tensor table on the tensors' device, with what the checks need."""
+
+    __slots__ = ("tensor", "address", "count", "chunks", "end_block")
+
+    def __init__(self, rows, device, chunk_elems: int, end_block: int):
+        count = len(rows[0])
+        chunk_starts, total = [], 0
+        for numel in rows[2]:
+            chunk_starts.append(total)
+            total += -(-numel // chunk_elems) if chunk_elems else 0
+        table = torch.tensor([*rows, chunk_starts], dtype=torch.int64)
+        if device.type == "cuda":
+            table = table.to(device)
+        self.tensor = table
+        self.address = table.data_ptr()
+        self.count = count
+        self.chunks = total
+        self.end_block = end_block
+
+
+class _NativeBackend:
+    """The stage functions on the C++ (``cuda=False``) or CUDA kernels of ``_C``."""
+
+    def __init__(self, cuda: bool):
+        self._C = _load()
+        self.cuda = cuda
+        self._chunk = self._C.cuda_chunk_elems() if cuda else 0
+        self._tables: OrderedDict = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<dlion_kernels native backend {'cuda' if self.cuda else 'cpu'}>"
+
+    # ------------------------------------------------------------------------- tables
+
+    def _device_args(self, t: torch.Tensor):
+        if self.cuda:
+            if t.device.type != "cuda":
+                raise ValueError(f"the 'cuda' backend needs CUDA tensors, got {t.device}")
+            index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            return index, torch.cuda.current_stream(index).cuda_stream
+        if t.device.type != "cpu":
+            raise ValueError(f"the 'cpu' backend needs CPU tensors, got {t.device}")
+        return None
+
+    def _cached(self, key):
+        table = self._tables.get(key)
+        if table is not None:
+            self._tables.move_to_end(key)
+        return table
+
+    def _store(self, key, table: _Table) -> _Table:
+        self._tables[key] = table
+        if len(self._tables) > _TABLE_CACHE_SIZE:
+            self._tables.popitem(last=False)
+        return table
+
+    def _check_list(self, tensors, what, device, dtype=None):
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            if not t.is_contiguous():
+                raise ValueError(f"{what}[{i}] must be contiguous")
+            if t.device != device:
+                raise ValueError(f"{what}[{i}] is on {t.device}, expected {device}")
+            if dtype is not None and t.dtype != dtype:
+                raise TypeError(f"{what}[{i}] has dtype {t.dtype}, expected {dtype}")
+
+    def _local_step_table(self, grads, exp_avgs, offsets) -> tuple[_Table, int]:
+        g_ptrs = [0 if g is None else g.data_ptr() for g in grads]
+        m_ptrs = [m.data_ptr() for m in exp_avgs]
+        numels = [m.numel() for m in exp_avgs]
+        g_dtype = next((g.dtype for g in grads if g is not None), torch.float32)
+        key = ("local_step", g_dtype, *g_ptrs, *m_ptrs, *numels, *offsets)
+        table = self._cached(key)
+        if table is not None:
+            return table, _DTYPE_CODES[g_dtype]
+        if not len(grads) == len(exp_avgs) == len(offsets):
+            raise ValueError("grads, exp_avgs and offsets must have equal lengths")
+        device = exp_avgs[0].device
+        self._check_list(exp_avgs, "exp_avgs", device, torch.float32)
+        self._check_list(grads, "grads", device, g_dtype)
+        code = _dtype_code(g_dtype, "grads")
+        rows = [[], [], [], []]
+        end_block = 0
+        for i, (g, gp, mp, numel, off) in enumerate(zip(grads, g_ptrs, m_ptrs, numels, offsets)):
+            if g is not None and g.numel() != numel:
+                raise ValueError(f"grads[{i}] has {g.numel()} elements, exp_avgs[{i}] {numel}")
+            if numel == 0:
+                continue
+            end_block = max(end_block, off + num_blocks(numel))
+            for row, value in zip(rows, (gp, mp, numel, off)):
+                row.append(value)
+        return self._store(key, _Table(rows, device, self._chunk, end_block)), code
+
+    def _apply_table(self, params, offsets) -> _Table:
+        ptrs = [x.data_ptr() for x in params]
+        numels = [x.numel() for x in params]
+        dtype = params[0].dtype
+        key = ("apply", dtype, *ptrs, *numels, *offsets)
+        table = self._cached(key)
+        if table is not None:
+            return table
+        if len(params) != len(offsets):
+            raise ValueError("params and offsets must have equal lengths")
+        device = params[0].device
+        _dtype_code(dtype, "params")
+        self._check_list(params, "params", device, dtype)
+        rows = [[], [], [], []]
+        end_block = 0
+        for ptr, numel, off in zip(ptrs, numels, offsets):
+            if numel == 0:
+                continue
+            end_block = max(end_block, off + num_blocks(numel))
+            for row, value in zip(rows, (ptr, 0, numel, off)):
+                row.append(value)
+        return self._store(key, _Table(rows, device, self._chunk, end_block))
+
+    # ------------------------------------------------------------------------- the stages
+
+    def local_step(self, grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
+        """c = b1*m + (1-b1)*g; m = b2*m + (1-b2)*g; votes[...] = packed vote(c). ``None`` g = 0."""
+        if len(exp_avgs) == 0:
+            return
+        device = self._device_args(exp_avgs[0])
+        table, code = self._local_step_table(grads, exp_avgs, offsets)
+        if table.count == 0:
+            return
+        _check_words(votes, "votes", table.end_block * vote_planes("ternary" if ternary else "binary"))
+        beta1, beta2 = float(beta1), float(beta2)
+        args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, bool(ternary))
+        if votes.device != exp_avgs[0].device:
+            raise ValueError(f"votes is on {votes.device}, exp_avgs on {exp_avgs[0].device}")
+        if self.cuda:
+            self._C.cuda_local_step(
+                table.address, table.count, table.chunks, code, votes.data_ptr(), *args, *device
+            )
+        else:
+            self._C.cpu_local_step(
+                table.address, table.count, code, votes.data_ptr(), *args, torch.get_num_threads()
+            )
+
+    def tally(self, stacked, out, n, mode, ternary, step):
+        """Aggregate n stacked packed vote vectors [n, P_in * blocks] into ``out``."""
+        device = self._device_args(stacked)
+        votes = "ternary" if ternary else "binary"
+        p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
+        if stacked.dtype != torch.int32 or not stacked.is_contiguous():
+            raise TypeError(f"stacked must be a contiguous int32 tensor, got {stacked.dtype}")
+        if stacked.numel() % n != 0:
+            raise ValueError(f"stacked has {stacked.numel()} words, not a multiple of n = {n}")
+        row_words = stacked.numel() // n
+        if row_words % p_in != 0:
+            raise ValueError(f"a row of stacked has {row_words} words, not a multiple of {p_in}")
+        blocks = row_words // p_in
+        if out.dtype != torch.int32 or not out.is_contiguous() or out.numel() != p_out * blocks:
+            raise ValueError(
+                f"out must be a contiguous int32 tensor of {p_out * blocks} words, got "
+                f"{out.dtype} of {out.numel()}"
+            )
+        if out.device != stacked.device:
+            raise ValueError(f"out is on {out.device}, stacked on {stacked.device}")
+        if blocks == 0:
+            return
+        args = (row_words, n, blocks, out.data_ptr(), mode == "average", bool(ternary))
+        tie = tie_pattern(step) & 0xFFFFFFFF
+        if self.cuda:
+            self._C.cuda_tally(stacked.data_ptr(), *args, tie, *device)
+        else:
+            self._C.cpu_tally(stacked.data_ptr(), *args, tie, torch.get_num_threads())
+
+    def apply(self, params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
+        """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype."""
+        if len(params) == 0:
+            return
+        device = self._device_args(params[0])
+        table = self._apply_table(params, offsets)
+        if table.count == 0:
+            return
+        planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
+        _check_words(aggregate, "aggregate", table.end_block * planes)
+        if aggregate.device != params[0].device:
+            raise ValueError(f"aggregate is on {aggregate.device}, params on {params[0].device}")
+        code = _DTYPE_CODES[params[0].dtype]
+        args = (float(lr), float(weight_decay), n, mode == "average", bool(ternary))
+        if self.cuda:
+            self._C.cuda_apply(
+                table.address, table.count, table.chunks, code, aggregate.data_ptr(), *args, *device
+            )
+        else:
+            self._C.cpu_apply(
+                table.address, table.count, code, aggregate.data_ptr(), *args,
+                torch.get_num_threads(),
+            )

@@ -1,0 +1,82 @@
+"""Builds the native module ``dlion_kernels._C`` with CMake (see CMakeLists.txt).
+
+    pip install .                                   # wheel
+    pip install -e .                                # editable
+    pip install --no-build-isolation --no-deps -e . # editable, with the torch already installed
+
+Environment:
+    DLION_BUILD_CUDA   auto (default) | 1 (CUDA required) | 0 (CPU only)
+    DLION_CUDA_ARCHS   CUDA architectures, default "80;90"
+    CMAKE_BUILD_PARALLEL_LEVEL  parallel jobs (default: all cores)
+    DLION_CMAKE_ARGS   extra arguments for the CMake configure step
+    DLION_BUILD_DIR    where CMake builds (default: build/ in the source tree; kept, incremental)
+
+The module uses neither the torch C++ API nor torch.utils.cpp_extension: it takes raw pointers and
+a CUDA stream handle, so the same build works with any installed torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            raise RuntimeError(
+                "dlion_kernels needs CMake >= 3.18 to build its native module, and `cmake` is not "
+                "on PATH. Install it (e.g. `apt install cmake`, `conda install cmake` or "
+                "`pip install cmake`) and retry."
+            )
+        import pybind11
+
+        extdir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        # A build folder that outlives pip's temporary one, so that rebuilds are incremental.
+        build_root = os.environ.get("DLION_BUILD_DIR") or ROOT / "build"
+        build_temp = Path(build_root).resolve() / f"cmake-{sys.implementation.cache_tag}"
+        build_temp.mkdir(parents=True, exist_ok=True)
+        config = "Debug" if self.debug else "Release"
+
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY_{config.upper()}={extdir}",
+            f"-DCMAKE_BUILD_TYPE={config}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DDLION_BUILD_CUDA={os.environ.get('DLION_BUILD_CUDA', 'auto') or 'auto'}",
+        ]
+        archs = os.environ.get("DLION_CUDA_ARCHS")
+        if archs:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+        args += shlex.split(os.environ.get("DLION_CMAKE_ARGS", ""))
+        cache = build_temp / "CMakeCache.txt"
+        if not cache.exists() and shutil.which("ninja"):
+            args += ["-G", "Ninja"]
+
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
+        print(f"dlion_kernels: cmake {' '.join(args)}", flush=True)
+        subprocess.run([cmake, str(ROOT), *args], cwd=build_temp, check=True)
+        subprocess.run(
+            [cmake, "--build", ".", "--config", config, "--parallel", jobs],
+            cwd=build_temp,
+            check=True,
+        )
+
+
+setup(ext_modules=[CMakeExtension("dlion_kernels._C")], cmdclass={"build_ext": CMakeBuild})
