@@ -35,14 +35,30 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _working_tool(name: str) -> str | None:
+    """The first ``name`` on PATH that runs. A venv may hold pip's ``cmake``/``ninja`` wrapper
+    scripts, which cannot import their package inside pip's isolated build environment."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        exe = shutil.which(name, path=folder)
+        if exe is None:
+            continue
+        try:
+            ok = subprocess.run([exe, "--version"], capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            return exe
+    return None
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        cmake = shutil.which("cmake")
+        cmake = _working_tool("cmake")
         if cmake is None:
             raise RuntimeError(
-                "dlion_kernels needs CMake >= 3.18 to build its native module, and `cmake` is not "
-                "on PATH. Install it (e.g. `apt install cmake`, `conda install cmake` or "
-                "`pip install cmake`) and retry."
+                "dlion_kernels needs CMake >= 3.18 to build its native module, and no working "
+                "`cmake` is on PATH. Install it (e.g. `apt install cmake`, `conda install cmake` "
+                "or `pip install cmake`) and retry."
             )
         import pybind11
 
@@ -66,8 +82,9 @@ class CMakeBuild(build_ext):
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
         args += shlex.split(os.environ.get("DLION_CMAKE_ARGS", ""))
         cache = build_temp / "CMakeCache.txt"
-        if not cache.exists() and shutil.which("ninja"):
-            args += ["-G", "Ninja"]
+        ninja = _working_tool("ninja")
+        if not cache.exists() and ninja:
+            args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
 
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
         print(f"dlion_kernels: cmake {' '.join(args)}", flush=True)
