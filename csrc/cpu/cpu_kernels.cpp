@@ -1,9 +1,12 @@
 // CPU kernels of the three stages. Compiled with -O3 -ffp-contract=off (no FMA contraction): each
 // fp32 operation rounds once, in the order of reference.py. Work is cut into 32-element blocks so
 // that the element loops are fixed-length and vectorize at the baseline ISA (SSE2 on x86-64).
+// apply is also compiled for AVX2 and picked at run time (same operations, wider vectors): its
+// average-mode decode is compute-bound at SSE2 width (~50% of copy bandwidth), memory-bound at AVX2.
 #include "cpu/cpu_kernels.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,13 +18,21 @@
 #include "cpu/convert.h"
 #include "cpu/thread_pool.h"
 
+#if defined(__GNUC__) || defined(__clang__)
+#define DLION_ALWAYS_INLINE inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define DLION_ALWAYS_INLINE __forceinline
+#else
+#define DLION_ALWAYS_INLINE inline
+#endif
+
 namespace dlion {
 namespace {
 
 constexpr int64_t kTaskBlocks = 2048;      // 64K elements per task for local_step / apply
 constexpr int64_t kTallyTaskBlocks = 1024;  // blocks per tally task
-constexpr int kTallyTile = 256;
-constexpr int kMaxLutPlanes = 12;           // apply/average: a table of D for q < 2^12              // blocks whose counters live on the stack at once
+constexpr int kTallyTile = 256;             // blocks whose counters live on the stack at once
+constexpr int kMaxStaticPlanes = 8;         // apply/average: plane counts unrolled at compile time
 
 // kBit.v[j] = 1 << j: a table, so that per-lane bit tests vectorize without variable shifts.
 struct BitTable {
@@ -314,10 +325,17 @@ void tally_planes(int planes, const uint32_t* stacked, int64_t row_words, int64_
 
 enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAverageTernary = 3 };
 
-template <typename P, int KIND>
-void apply_blocks(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
-                  int64_t b_end, float lr, float wd, int n, float nf, const float* lut) {
-  alignas(16) float d[kBlock];
+// Apply on the blocks [b_begin, b_end) of one tensor. Average mode: q (the count, plane p = bit p)
+// is rebuilt from the top plane down with fixed-length 32-lane integer loops, and
+// D = float(a*q - n) / float(n) by a vectorized IEEE division (exactly reference.py's
+// `num.to(f32) / f32(n)`). PL > 0 is the number of planes known at compile time (fully unrolled,
+// q stays in registers); PL == 0 reads it from `planes`.
+template <typename P, int KIND, int PL>
+DLION_ALWAYS_INLINE void apply_blocks_body(
+    P* x, int64_t numel, const uint32_t* words, int planes_rt, int64_t b_begin, int64_t b_end,
+    float lr, float wd, int n, float nf) {
+  const int planes = PL > 0 ? PL : planes_rt;
+  alignas(32) float d[kBlock];
   for (int64_t b = b_begin; b < b_end; ++b) {
     if (KIND == kVoteBinary) {
       const uint32_t w = words[b];
@@ -327,20 +345,16 @@ void apply_blocks(P* x, int64_t numel, const uint32_t* words, int planes, int64_
       for (int j = 0; j < kBlock; ++j)
         d[j] = static_cast<float>(((pos & kBit.v[j]) ? 1 : 0) - ((neg & kBit.v[j]) ? 1 : 0));
     } else {
-      alignas(16) int32_t q[kBlock];
+      alignas(32) int32_t q[kBlock];
       for (int j = 0; j < kBlock; ++j) q[j] = 0;
-      for (int p = 0; p < planes; ++p) {
-        const uint32_t w = words[b * planes + p];
-        const int32_t value = int32_t{1} << p;
-        for (int j = 0; j < kBlock; ++j) q[j] += (w & kBit.v[j]) ? value : 0;
+      const uint32_t* wb = words + b * planes;
+      for (int p = planes - 1; p >= 0; --p) {
+        const uint32_t w = wb[p];
+        for (int j = 0; j < kBlock; ++j) q[j] = q[j] + q[j] + ((w & kBit.v[j]) ? 1 : 0);
       }
-      if (lut != nullptr) {
-        for (int j = 0; j < kBlock; ++j) d[j] = lut[q[j]];
-      } else {
-        for (int j = 0; j < kBlock; ++j) {
-          const int32_t num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
-          d[j] = static_cast<float>(num) / nf;
-        }
+      for (int j = 0; j < kBlock; ++j) {
+        const int32_t num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
+        d[j] = static_cast<float>(num) / nf;
       }
     }
     const int64_t i0 = b * kBlock;
@@ -360,23 +374,50 @@ void apply_blocks(P* x, int64_t numel, const uint32_t* words, int planes, int64_
   }
 }
 
-template <typename P, int KIND>
+template <typename P, int KIND, int PL>
+void apply_blocks_base(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
+                       int64_t b_end, float lr, float wd, int n, float nf) {
+  apply_blocks_body<P, KIND, PL>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
+}
+
+// The same code compiled for AVX2 (8 lanes; the x86-64 baseline is SSE2), chosen at run time when
+// the CPU has it. Only the vector width changes: every lane does the same IEEE fp32 operations
+// (no FMA: the target does not enable it and -ffp-contract=off forbids contraction), so results
+// are bit-identical to the baseline code and to reference.py.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define DLION_HAVE_AVX2_CLONE 1
+template <typename P, int KIND, int PL>
+__attribute__((target("avx2"))) void apply_blocks_avx2(P* x, int64_t numel,
+                                                       const uint32_t* words, int planes,
+                                                       int64_t b_begin, int64_t b_end, float lr,
+                                                       float wd, int n, float nf) {
+  apply_blocks_body<P, KIND, PL>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
+}
+
+// DLION_CPU_NO_AVX2=1 keeps the baseline code (for tests and benchmarks of that path).
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    const char* off = std::getenv("DLION_CPU_NO_AVX2");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+#endif
+
+template <typename P, int KIND, int PL>
 void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
                  float lr, float wd, int64_t n, int threads) {
+  using BlocksFn = void (*)(P*, int64_t, const uint32_t*, int, int64_t, int64_t, float, float, int,
+                            float);
+  BlocksFn blocks = &apply_blocks_base<P, KIND, PL>;
+#ifdef DLION_HAVE_AVX2_CLONE
+  if (cpu_has_avx2()) blocks = &apply_blocks_avx2<P, KIND, PL>;
+#endif
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
   const float nf = static_cast<float>(n);
-  // Average: D of every possible q, by the same fp32 division (a table look-up per element).
-  std::vector<float> table_d;
-  if ((KIND == kAverageBinary || KIND == kAverageTernary) && planes <= kMaxLutPlanes) {
-    table_d.resize(size_t{1} << planes);
-    for (int32_t q = 0; q < (1 << planes); ++q) {
-      const int32_t num = KIND == kAverageBinary ? 2 * q - static_cast<int32_t>(n)
-                                                 : q - static_cast<int32_t>(n);
-      table_d[q] = static_cast<float>(num) / nf;
-    }
-  }
-  const float* lut = table_d.empty() ? nullptr : table_d.data();
   parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
                [&](int64_t i) {
                  const Task& task = tasks[i];
@@ -384,22 +425,46 @@ void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggreg
                  P* x = reinterpret_cast<P*>(table[kRowA * T + t]);
                  const int64_t numel = table[kRowNumel * T + t];
                  const uint32_t* words = aggregate + planes * table[kRowBlock * T + t];
-                 apply_blocks<P, KIND>(x, numel, words, planes, task.begin, task.end, lr, wd,
-                                       static_cast<int>(n), nf, lut);
+                 blocks(x, numel, words, planes, task.begin, task.end, lr, wd,
+                        static_cast<int>(n), nf);
                });
+}
+
+template <typename P, int KIND>
+void apply_average(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
+                   float lr, float wd, int64_t n, int threads) {
+#define DLION_APPLY_CASE(PL) \
+  case PL:                   \
+    return apply_typed<P, KIND, PL>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+  static_assert(kMaxStaticPlanes == 8, "update the cases below");
+  switch (planes) {
+    DLION_APPLY_CASE(1)
+    DLION_APPLY_CASE(2)
+    DLION_APPLY_CASE(3)
+    DLION_APPLY_CASE(4)
+    DLION_APPLY_CASE(5)
+    DLION_APPLY_CASE(6)
+    DLION_APPLY_CASE(7)
+    DLION_APPLY_CASE(8)
+    default:
+      return apply_typed<P, KIND, 0>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+  }
+#undef DLION_APPLY_CASE
 }
 
 template <typename P>
 void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, float lr,
                  float wd, int64_t n, bool average, bool ternary, int threads) {
   if (!average) {
-    if (ternary) return apply_typed<P, kVoteTernary>(table, n_tensors, aggregate, 2, lr, wd, n, threads);
-    return apply_typed<P, kVoteBinary>(table, n_tensors, aggregate, 1, lr, wd, n, threads);
+    if (ternary)
+      return apply_typed<P, kVoteTernary, 2>(table, n_tensors, aggregate, 2, lr, wd, n, threads);
+    return apply_typed<P, kVoteBinary, 1>(table, n_tensors, aggregate, 1, lr, wd, n, threads);
   }
   const int planes = bit_length(ternary ? 2 * n : n);
   if (ternary)
-    return apply_typed<P, kAverageTernary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
-  return apply_typed<P, kAverageBinary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+    return apply_average<P, kAverageTernary>(table, n_tensors, aggregate, planes, lr, wd, n,
+                                             threads);
+  return apply_average<P, kAverageBinary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
 }
 
 void check_n(int64_t n) {
