@@ -1,0 +1,206 @@
+"""Shared helpers for the benchmarks: results folder, metadata, JSON/CSV, markdown tables.
+
+Every benchmark writes ``bench/results/<name>-<YYYYmmdd-HHMMSS>/`` (or ``--out DIR``) holding
+``<name>.json`` (a ``metadata`` block, the ``rows`` and free-form ``notes``) and ``<name>.csv``
+(the rows only), and prints its tables in markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+
+# Run from a checkout without installing: the package lives one level up.
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_count(text: str) -> int:
+    """'1M' -> 1048576, '25m' -> 26214400, '4096' -> 4096 (binary suffixes k, M, G)."""
+    t = text.strip().lower()
+    if t and t[-1] in SUFFIXES:
+        return int(float(t[:-1]) * SUFFIXES[t[-1]])
+    return int(t)
+
+
+def human_count(n: int) -> str:
+    for suffix, scale in (("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n >= scale and n % (scale // 1024 or 1) == 0:
+            v = n / scale
+            return f"{v:g}{suffix}"
+    return str(n)
+
+
+def human_bytes(b: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, 2 ranks: finishes in well under a minute (for CI)")
+    parser.add_argument("--out", default=None,
+                        help="results folder (default bench/results/<name>-<timestamp>/)")
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=5)
+        commit = out.stdout.strip() or "unknown"
+        return commit + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def metadata(extra: dict | None = None) -> dict:
+    """Where and how the benchmark ran: host, CPU, GPU, versions, date, exact command line."""
+    import torch
+
+    try:
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except Exception:  # noqa: BLE001 - a broken driver must not stop the benchmark
+        gpu = "none"
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    try:
+        import dlion_kernels as dk
+
+        backends = dk.available_backends("cpu")
+        dk_version = dk.__version__
+    except Exception as e:  # noqa: BLE001
+        backends, dk_version = f"import failed: {e}", "unknown"
+    meta = {
+        "hostname": socket.gethostname(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                               1),
+        "gpu": gpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+        "dlion_kernels": dk_version,
+        "git_commit": _git_commit(),
+        "available_backends_cpu": backends,
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable] + sys.argv),
+    }
+    if extra:
+        meta.update(extra)
+    return meta
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def results_dir(name: str, out: str | None) -> str:
+    """``out`` if given, else bench/results/<name>-<YYYYmmdd-HHMMSS>/; created."""
+    if out is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = os.path.join(RESULTS_DIR, f"{name}-{stamp}")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
+def save(out_dir: str, name: str, rows: list[dict], meta: dict, **extra) -> tuple[str, str]:
+    """Write <name>.json (metadata + rows + extra) and <name>.csv (rows); return both paths."""
+    json_path = os.path.join(out_dir, f"{name}.json")
+    csv_path = os.path.join(out_dir, f"{name}.csv")
+    with open(json_path, "w") as f:
+        json.dump({"metadata": meta, "rows": rows, **extra}, f, indent=2, default=str)
+        f.write("\n")
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return json_path, csv_path
+
+
+def save_text(out_dir: str, filename: str, text: str) -> str:
+    path = os.path.join(out_dir, filename)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _cell(v, fmt: str | None) -> str:
+    if v is None or v == "":
+        return "-"
+    if fmt and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, fmt)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: list, title: str | None = None) -> str:
+    """rows -> markdown. ``columns``: keys, or (key, header) / (key, header, format spec)."""
+    cols = [(c, c, None) if isinstance(c, str) else (tuple(c) + (None,))[:3] for c in columns]
+    lines = []
+    if title:
+        lines += [f"### {title}", ""]
+    lines.append("| " + " | ".join(h for _, h, _ in cols) + " |")
+    lines.append("|" + "|".join("---" for _ in cols) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(k), f) for k, _, f in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
