@@ -84,6 +84,16 @@ PYBIND11_MODULE(_C, m) {
       "apply over the parameters of a host table: x = x - lr * (D + wd * x) in fp32 with D\n"
       "decoded from the packed aggregate, stored back in p_dtype (0 fp32, 1 bf16, 2 fp16; RNE).");
 
+  m.def(
+      "cpu_nonfinite",
+      [](int64_t table, int64_t n_tensors, int g_dtype, int threads) {
+        return dlion::cpu_nonfinite(ptr<const int64_t>(table), n_tensors, dtype(g_dtype),
+                                    threads);
+      },
+      release(), py::arg("table"), py::arg("n_tensors"), py::arg("g_dtype"), py::arg("threads"),
+      "True if any element of the tensors of a host table (row a, dtype code g_dtype) is inf\n"
+      "or NaN. Reads each gradient once, multi-threaded.");
+
 #ifdef DLION_WITH_CUDA
   m.def("cuda_chunk_elems", &dlion::cuda_chunk_elems,
         "Elements per CTA chunk; the table's chunk row counts chunks of this size.");

@@ -1,7 +1,7 @@
 """Which backend runs the three stages, and why another one cannot.
 
-A backend is an object with the three stage functions of ``reference.py``:
-``local_step``, ``tally`` and ``apply``, same arguments, same results.
+A backend is an object with the stage functions of ``reference.py``: ``local_step``, ``tally``
+and ``apply``, same arguments, same results, and the gradient check ``nonfinite``.
 """
 
 from __future__ import annotations

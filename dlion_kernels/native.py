@@ -1,6 +1,6 @@
 """The ``cpu`` and ``cuda`` backends: the C++ and CUDA kernels of the native module ``_C``.
 
-Each backend object has the three stage functions of ``reference.py`` with the same arguments and
+Each backend object has the stage functions of ``reference.py`` with the same arguments and
 results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounded once):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 import torch
 
+from . import reference
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -206,19 +207,20 @@ class _NativeBackend:
                 row.append(value)
         return self._store(key, _Table(rows, device, self._chunk, end_block)), code
 
-    def _apply_table(self, params, offsets) -> _Table:
-        ptrs = [x.data_ptr() for x in params]
-        numels = [x.numel() for x in params]
-        dtype = params[0].dtype
-        key = ("apply", dtype, *ptrs, *numels, *offsets)
+    def _single_table(self, what, tensors, offsets) -> _Table:
+        """A table of one tensor list (row a), e.g. the params of apply."""
+        ptrs = [x.data_ptr() for x in tensors]
+        numels = [x.numel() for x in tensors]
+        dtype = tensors[0].dtype
+        key = (what, dtype, *ptrs, *numels, *offsets)
         table = self._cached(key)
         if table is not None:
             return table
-        if len(params) != len(offsets):
-            raise ValueError("params and offsets must have equal lengths")
-        device = params[0].device
-        _dtype_code(dtype, "params")
-        self._check_list(params, "params", device, dtype)
+        if len(tensors) != len(offsets):
+            raise ValueError(f"{what} and offsets must have equal lengths")
+        device = tensors[0].device
+        _dtype_code(dtype, what)
+        self._check_list(tensors, what, device, dtype)
         rows = [[], [], [], []]
         end_block = 0
         for ptr, numel, off in zip(ptrs, numels, offsets):
@@ -287,7 +289,7 @@ class _NativeBackend:
         if len(params) == 0:
             return
         device = self._device_args(params[0])
-        table = self._apply_table(params, offsets)
+        table = self._single_table("params", params, offsets)
         if table.count == 0:
             return
         planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
@@ -305,3 +307,16 @@ class _NativeBackend:
                 table.address, table.count, code, aggregate.data_ptr(), *args,
                 torch.get_num_threads(),
             )
+
+    def nonfinite(self, grads) -> torch.Tensor:
+        """int32 [1]: 1 if any of ``grads`` (non-empty, one dtype, contiguous) holds inf or NaN.
+        The CPU reads each gradient once on all threads; CUDA uses the reference (one fused
+        multi-tensor torch kernel there)."""
+        if self.cuda:
+            return reference.nonfinite(grads)
+        self._device_args(grads[0])
+        table = self._single_table("grads", grads, [0] * len(grads))
+        found = table.count > 0 and self._C.cpu_nonfinite(
+            table.address, table.count, _DTYPE_CODES[grads[0].dtype], torch.get_num_threads()
+        )
+        return torch.tensor([int(found)], dtype=torch.int32)

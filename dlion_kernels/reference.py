@@ -5,6 +5,7 @@ Every backend implements the same three functions with the same arguments (see `
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
 - ``tally(stacked, out, n, mode, ternary, step)``
 - ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+- ``nonfinite(grads)``: the check that runs before a step modifies anything
 
 The packed formats are described in ``layout.py``. Arithmetic is fp32, one IEEE rounding per
 operation and no fused multiply-add, in exactly the order written below; the other backends do the
@@ -105,3 +106,10 @@ def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
         xf = x.reshape(-1).to(_F32)
         xf = xf - lr32 * (d + wd32 * xf)
         x.copy_(xf.view_as(x).to(x.dtype))
+
+
+def nonfinite(grads) -> torch.Tensor:
+    """int32 [1] on the gradients' device: 1 if any of ``grads`` (non-empty, one device, any
+    float dtypes) holds inf or NaN, else 0. One fused multi-tensor read of the gradients."""
+    norms = torch._foreach_norm(grads, float("inf"))  # NaN and inf propagate into the max
+    return (~torch.stack(norms).isfinite()).any().to(torch.int32).view(1)

@@ -180,13 +180,11 @@ def _check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
 
 
-def _any_nonfinite(segments, device, group, n) -> tuple[bool, int]:
+def _any_nonfinite(kernels, grads, device, group, n) -> tuple[bool, int]:
     """Whether any rank has an inf/NaN gradient, and the bytes this rank sent to find out."""
-    grads = [g for s in segments for g in s.grads if g is not None and g.numel() > 0]
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    if grads:
-        norms = torch._foreach_norm(grads, float("inf"))
-        flag += (~torch.stack(norms).isfinite()).any().to(torch.int32)
+    for part in _by_dtype([(g,) for g in grads if g is not None and g.numel() > 0]):
+        flag |= kernels.nonfinite([g for (g,) in part])
     if n == 1:
         return bool(flag.item()), 0
     flags = torch.empty(n, dtype=torch.int32, device=device)
@@ -218,20 +216,8 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
     if step is None:
         step = next(_auto_step)
 
-    nonfinite_found, flag_bytes = _any_nonfinite(segments, device, group, n)
-    if nonfinite_found:
-        if nonfinite == "raise":
-            raise NonFiniteGradientError(
-                "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
-                "rank (pass nonfinite='skip' to skip such steps instead)"
-            )
-        return StepStats(flag_bytes, flag_bytes, numel, n, mode, votes, name, skipped=True)
-
     ternary = votes == "ternary"
     offsets, total = block_offsets(t.numel() for t in tensors)
-    p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
-    shard = shard_blocks(total, n)
-    votes_buf = torch.zeros(n * shard * p_in, dtype=torch.int32, device=device)
 
     # Non-contiguous tensors are worked on through contiguous copies, written back at the end.
     write_back = []
@@ -253,6 +239,20 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         ]
         rows = [row for row in rows if row[0].numel() > 0]  # empty tensors own no block
         work.append((s, rows))
+
+    grads = [g for _, rows in work for _, g, _, _ in rows]
+    nonfinite_found, flag_bytes = _any_nonfinite(kernels, grads, device, group, n)
+    if nonfinite_found:
+        if nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
+                "rank (pass nonfinite='skip' to skip such steps instead)"
+            )
+        return StepStats(flag_bytes, flag_bytes, numel, n, mode, votes, name, skipped=True)
+
+    p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
+    shard = shard_blocks(total, n)
+    votes_buf = torch.zeros(n * shard * p_in, dtype=torch.int32, device=device)
 
     for s, rows in work:
         for part in _by_dtype([(g, m, off) for _, g, m, off in rows]):

@@ -6,6 +6,7 @@ fp32 arithmetic in the reference's order with no fused multiply-add):
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
 - ``tally(stacked, out, n, mode, ternary, step)``
 - ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+- ``nonfinite(grads)``: the reference's, which is one fused multi-tensor torch kernel on the GPU
 
 Multi-tensor apply. ``local_step`` and ``apply`` cover a whole list of tensors with ONE launch:
 
@@ -46,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
+from .reference import nonfinite
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # No fused multiply-add on the GPU: c = b1*m + omb1*g must round after each operation, as in the
@@ -647,4 +649,4 @@ def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
         )
 
 
-__all__ = ["apply", "local_step", "tally"]
+__all__ = ["apply", "local_step", "nonfinite", "tally"]

@@ -136,6 +136,27 @@ def test_apply(backend, votes, mode, dtype, case, n):
         assert_close_storage(a, e)
 
 
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", [None, float("inf"), -float("inf"), float("nan")], ids=str)
+def test_nonfinite(backend, dtype, bad):
+    """The gradient check finds one bad element wherever it sits, and nothing in finite data."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(11)
+    sizes = SIZES["mixed"] + [1_000_003]
+    grads = [(1e3 * torch.randn(s, generator=gen)).to(dtype).to(device) for s in sizes]
+    kernels = backends.get(backend)
+    places = [(0, 0), (4, 4096), (len(sizes) - 1, 0), (len(sizes) - 1, 999_999), (6, 127)]
+    for t, i in places if bad is not None else [(None, None)]:
+        case = [g.clone() for g in grads]
+        if t is not None:
+            case[t].view(-1)[i] = bad
+        expected = reference.nonfinite([g.cpu() for g in case])
+        found = kernels.nonfinite(case)
+        assert found.dtype == torch.int32 and found.shape == (1,)
+        assert found.item() == expected.item() == int(bad is not None), (t, i)
+
+
 def test_num_blocks_and_offsets():
     assert [num_blocks(s) for s in (0, 1, 31, 32, 33, 4097)] == [0, 1, 1, 1, 2, 129]
     assert block_offsets([1, 33, 32]) == ([0, 1, 3], 4)

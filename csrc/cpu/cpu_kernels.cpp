@@ -6,6 +6,7 @@
 #include "cpu/cpu_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -467,6 +468,39 @@ void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggreg
   return apply_average<P, kAverageBinary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
 }
 
+// ----------------------------------------------------------------------------- nonfinite
+
+// x * 0 is NaN exactly when x is inf or NaN, and 0 otherwise, so 32 lane sums of g * 0 stay 0
+// until a non-finite element reaches them: fixed-length independent lanes, which vectorize.
+template <typename G>
+bool nonfinite_typed(const int64_t* table, int64_t n_tensors, int threads) {
+  int64_t total_blocks = 0;
+  const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
+  std::atomic<bool> found{false};
+  parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
+               [&](int64_t i) {
+                 if (found.load(std::memory_order_relaxed)) return;
+                 const Task& task = tasks[i];
+                 const int64_t t = task.tensor, T = n_tensors;
+                 const G* g = reinterpret_cast<const G*>(table[kRowA * T + t]);
+                 const int64_t numel = table[kRowNumel * T + t];
+                 alignas(16) float acc[kBlock] = {};
+                 for (int64_t b = task.begin; b < task.end; ++b) {
+                   const G* gb = g + b * kBlock;
+                   const int64_t count = std::min<int64_t>(kBlock, numel - b * kBlock);
+                   if (count == kBlock) {
+                     for (int j = 0; j < kBlock; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
+                   } else {
+                     for (int j = 0; j < count; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
+                   }
+                 }
+                 bool any = false;
+                 for (int j = 0; j < kBlock; ++j) any |= acc[j] != acc[j];
+                 if (any) found.store(true, std::memory_order_relaxed);
+               });
+  return found.load();
+}
+
 void check_n(int64_t n) {
   if (n < 1 || n > 32767)
     throw std::invalid_argument("dlion_kernels: n (the number of vote vectors) must be in "
@@ -514,6 +548,18 @@ void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uin
       return apply_dtype<fp16>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
   }
   throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
+}
+
+bool cpu_nonfinite(const int64_t* table, int64_t n_tensors, DType g_dtype, int threads) {
+  switch (g_dtype) {
+    case DType::kFloat32:
+      return nonfinite_typed<float>(table, n_tensors, threads);
+    case DType::kBFloat16:
+      return nonfinite_typed<bf16>(table, n_tensors, threads);
+    case DType::kFloat16:
+      return nonfinite_typed<fp16>(table, n_tensors, threads);
+  }
+  throw std::invalid_argument("dlion_kernels: unknown gradient dtype code");
 }
 
 }  // namespace dlion

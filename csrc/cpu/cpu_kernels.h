@@ -21,4 +21,7 @@ void cpu_tally(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t bl
 void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uint32_t* aggregate,
                float lr, float wd, int64_t n, bool average, bool ternary, int threads);
 
+// Whether any element of the tensors of a table (row a) is inf or NaN.
+bool cpu_nonfinite(const int64_t* table, int64_t n_tensors, DType g_dtype, int threads);
+
 }  // namespace dlion
