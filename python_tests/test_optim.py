@@ -1,5 +1,6 @@
 """DistributedLion as a torch.optim.Optimizer, in one process and on real gloo ranks."""
 
+import contextlib
 import copy
 
 import pytest
@@ -185,3 +186,35 @@ def test_distributed_optimizer(n):
             assert torch.equal(a, b), "resume is not exact"
         assert out["raise"] == "raised" and out["raise_unchanged"]
         assert out["skip"] == "skipped" and out["skip_unchanged"]
+
+
+def _ddp_worker(rank, n):
+    """The README's recipe: a DDP-wrapped model, every backward under no_sync() (D-Lion replaces
+    the gradient all-reduce), two accumulated micro-batches per step. Returns the DDP run's
+    parameters and those of the same run on the bare model."""
+    results = []
+    for wrap in (True, False):
+        model = _model(seed=rank)  # different on purpose: DDP broadcasts rank 0's at wrap time
+        if not wrap:
+            model = _model(seed=0)
+        net = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+        opt = dk.DistributedLion(net.parameters(), lr=1e-2, weight_decay=0.1, backend="torch")
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = _batch(rank, 10 * step + micro)
+                sync = net.no_sync() if wrap else contextlib.nullcontext()
+                with sync:
+                    loss = torch.nn.functional.cross_entropy(net(x), y) / 2
+                    loss.backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    return results
+
+
+def test_ddp_no_sync_with_gradient_accumulation():
+    ranks = run_workers(2, _ddp_worker)
+    for ddp, bare in ranks:
+        for a, b, c in zip(ddp, bare, ranks[0][0]):
+            assert torch.equal(a, b), "DDP + no_sync differs from the bare model"
+            assert torch.equal(a, c), "ranks differ"
