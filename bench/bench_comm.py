@@ -291,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps-large", type=int, default=3, help="timed reps for sizes >= 16M")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="time budget of the whole run; sizes predicted not to fit are skipped")
+    ap.add_argument("--no-plot", action="store_true", help="do not write bench_comm.png")
     args = ap.parse_args(argv)
     if args.backend in ("None", "auto", ""):
         args.backend = None
@@ -370,7 +371,53 @@ def main(argv=None) -> int:
     text = "\n".join(md)
     common.save_text(out_dir, "bench_comm.md", text)
     print(text)
+    if args.no_plot:
+        print("no plot (--no-plot)")
+    else:
+        png = plot(rows, out_dir)
+        print(f"saved {png}" if png else "no plot: matplotlib is not installed")
     return 0
+
+
+def plot(rows: list[dict], out_dir: str) -> str | None:
+    """Step time (slowest rank) against d, log-log, one line per variant, one panel per n."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    except ImportError:
+        return None
+    ns = sorted({r["n"] for r in rows})
+    if not ns:
+        return None
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.5 * len(ns), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, n in zip(axes[0], ns):
+        variants = list(dict.fromkeys(r["variant"] for r in rows if r["n"] == n))
+        for v in variants:
+            rs = sorted((r for r in rows if r["n"] == n and r["variant"] == v),
+                        key=lambda r: r["d"])
+            ax.plot([r["d"] for r in rs], [r["t_max_ms"] for r in rs], marker="o",
+                    linestyle="--" if v.startswith("all_reduce") else "-", label=v)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: common.human_count(int(v))))
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"n = {n}")
+        ax.set_xlabel("d (fp32 elements per rank)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("step ms (slowest rank, median)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle("bench_comm: time per step, gloo over loopback")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "bench_comm.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

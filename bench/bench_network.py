@@ -385,6 +385,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=560.0,
                     help="configurations not started by then are skipped and listed")
+    ap.add_argument("--no-plot", action="store_true", help="do not write bench_network.png")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -483,8 +484,9 @@ def main(argv=None) -> int:
         met = "met" if target["step_speedup"] >= 10 else "NOT met"
         verdict = (f"1 Gbit/s, 4 ranks, {common.human_count(args.numel)} params: D-Lion "
                    f"vote/binary step {target['step_speedup']:.1f}x faster than Lion + fp32 "
-                   f"all-reduce (target >= 10x: {met}); communication alone {target['comm_speedup']:.1f}x; projected with one "
-                   f"core per rank {target['projected_speedup_1core']:.1f}x (derived)")
+                   f"all-reduce (target >= 10x: {met}); communication alone "
+                   f"{target['comm_speedup']:.1f}x; projected with one core per rank "
+                   f"{target['projected_speedup_1core']:.1f}x (derived)")
     if not shaper_notes and args.delay_ms <= 0:
         shaper_notes.add("no delay requested (--delay-ms 0): tbf rate limit only")
     backends_used = sorted({r["backend"] for r in rows if r["key"].startswith(("dlion", "lion"))
@@ -537,7 +539,54 @@ def main(argv=None) -> int:
     text = "\n".join(md)
     common.save_text(out_dir, "bench_network.md", text)
     print(text)
+    if args.no_plot:
+        print("no plot (--no-plot)")
+    else:
+        png = plot(rows, out_dir, args.numel)
+        print(f"saved {png}" if png else "no plot: matplotlib is not installed")
     return 0
+
+
+def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
+    """Grouped bars: step time (slowest rank) of each variant at each (rate, n)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    except ImportError:
+        return None
+    configs = list(dict.fromkeys((r["rate_gbit"], r["n"]) for r in rows))
+    if not configs:
+        return None
+    keys = [k for k in VARIANTS if any(r["key"] == k for r in rows)]
+    width = 0.8 / len(keys)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(configs) + 3.5), 4.2))
+    for i, key in enumerate(keys):
+        xs, ts = [], []
+        for c, (rate, n) in enumerate(configs):
+            hit = [r for r in rows if (r["rate_gbit"], r["n"], r["key"]) == (rate, n, key)]
+            if hit:
+                xs.append(c + (i - (len(keys) - 1) / 2) * width)
+                ts.append(hit[0]["t_max_ms"])
+        ax.bar(xs, ts, width, label=LABELS[key])
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels([f"{rate:g} Gbit/s\nn = {n}" for rate, n in configs])
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=min(r["t_max_ms"] for r in rows) / 2)  # log bars: show every bar's foot
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylabel("ms per step (slowest rank, median)")
+    ax.set_title(f"bench_network: {common.human_count(numel)} fp32 parameters")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "bench_network.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

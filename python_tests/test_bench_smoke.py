@@ -40,3 +40,53 @@ def test_bench_network_smoke(tmp_path):
     data = json.loads((tmp_path / "bench_network.json").read_text())
     assert data["links"] and data["links"][0]["measured_gbit"] > 0
     assert {r["key"] for r in data["rows"]} >= {"lion_allreduce_fp32", "dlion_vote_binary"}
+
+
+def test_run_all_smoke(tmp_path):
+    """The one command: every part into one folder, an index, pytest-benchmark's JSON."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "run_all.py --smoke" in summary
+    for key in ("date", "command", "cpu_model", "device", "gpu", "torch", "git_commit"):
+        assert f"| {key} |" in summary
+    parts = {p["part"]: p for p in json.loads((tmp_path / "summary.json").read_text())["parts"]}
+    assert list(parts) == ["kernels", "pytest", "comm", "network"]
+    expected = {"kernels": "bench_kernels/bench_kernels.json", "comm": "bench_comm/bench_comm.json",
+                "network": "bench_network/bench_network.json",
+                "pytest": "cpu_stages/pytest_benchmark.json"}
+    for part, path in expected.items():
+        status = parts[part]["status"]
+        assert status == "ok" or status.startswith("skipped"), (part, status)
+        # bench_network skips without root, the CPU stages without pytest-benchmark
+        assert (tmp_path / path).exists() == (status == "ok"), (part, status)
+        assert f"## {part} ({status})" in summary
+    assert (tmp_path / "bench_kernels" / "bench_kernels.md").exists()
+    assert (tmp_path / "bench_comm" / "bench_comm.csv").exists()
+    if parts["pytest"]["status"] == "ok":
+        bench = json.loads((tmp_path / "cpu_stages" / "pytest_benchmark.json").read_text())
+        infos = {(b["extra_info"]["backend"], b["extra_info"]["stage"]): b["extra_info"]
+                 for b in bench["benchmarks"]}
+        assert {stage for _, stage in infos} == {"local_step", "tally_n8", "apply_vote",
+                                                 "fused_dlion_step"}
+        bytes_per_elt = {"local_step": 12.125, "tally_n8": 1.125, "apply_vote": 8.125,
+                         "fused_dlion_step": 20.5}
+        for (_, stage), info in infos.items():
+            assert info["bytes_per_elt"] == bytes_per_elt[stage]
+            assert info["bytes"] == info["bytes_per_elt"] * info["numel"] and info["gbps"] > 0
+        assert (tmp_path / "cpu_stages" / "cpu_stages.md").exists()
+
+
+def test_run_all_reports_a_failed_part(tmp_path):
+    """A part that fails is reported and makes the exit status 1; the next part still runs."""
+    pytest.importorskip("pytest_benchmark")
+    env = dict(os.environ, DLION_BENCH_NUMEL="not-a-size")  # the CPU stages fail to collect
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--smoke",
+                           "--no-plot", "--only", "pytest,kernels", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## pytest (FAILED)" in summary and "## kernels (ok)" in summary
+    assert (tmp_path / "bench_kernels" / "bench_kernels.json").exists()

@@ -1,0 +1,90 @@
+"""pytest-benchmark CPU microbenchmarks: each stage and a whole step, per CPU backend.
+
+For the backends ``cpu`` (native) and ``torch`` (reference), on one flat fp32 tensor of
+``$DLION_BENCH_NUMEL`` elements (suffixes k, M, G; default 16M), it times
+
+- ``local_step``        votes = binary
+- ``tally_n8``          8 binary vote vectors -> vote/binary aggregate
+- ``apply_vote``        vote/binary aggregate applied to the parameters
+- ``fused_dlion_step``  ``dlion_kernels.fused_dlion_step`` in one process (vote/binary)
+
+with the call signatures and tensors of bench_kernels.py (``Workload``, ``stage_fns``). Each
+result's ``extra_info`` holds the bytes per element the variant must move (bench_kernels'
+``bytes_per_elt``: 12.125, 1.125, 8.125 and 20.5 for fp32; the step is charged like bench_kernels'
+``step``, its non-finite check of the gradient is not counted), the bytes, and the GB/s of the
+median. A backend that cannot run here is skipped with the reason. The torch reference is timed
+in 3 rounds of 1 call (0.4-1.5 s per call at 16M).
+
+It lies outside ``testpaths`` and is marked ``bench`` (deselected by pyproject's addopts), so it
+runs only when named together with ``-m bench``:
+
+    python -m pytest bench/test_cpu_stages.py -m bench --benchmark-json=out.json
+    DLION_BENCH_NUMEL=256k python -m pytest bench/test_cpu_stages.py -m bench   # quick
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402  (its import of common puts the repository on sys.path)
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+import dlion_kernels  # noqa: E402
+from dlion_kernels import backends as dk_backends  # noqa: E402
+
+pytestmark = pytest.mark.bench
+
+NUMEL = common.parse_count(os.environ.get("DLION_BENCH_NUMEL", "16M"))
+DTYPE = torch.float32
+BACKENDS = ["cpu", "torch"]
+# test id -> the op whose bytes bench_kernels.bytes_per_elt counts
+STAGES = {"local_step": "local_step", "tally_n8": "tally vote n=8", "apply_vote": "apply vote",
+          "fused_dlion_step": "step"}
+TORCH_ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def workload():
+    gen = torch.Generator().manual_seed(0)
+    w = bk.Workload([(NUMEL,)], DTYPE, torch.device("cpu"), gen)
+    yield w
+    w.free()
+
+
+def _fn(name: str, stage: str, w):
+    if stage == "fused_dlion_step":
+        def step():
+            dlion_kernels.fused_dlion_step(w.params, w.grads, w.exp_avgs, lr=bk.LR,
+                                           betas=bk.BETAS, weight_decay=bk.WD, mode="vote",
+                                           votes="binary", backend=name)
+
+        return step
+    return bk.stage_fns(dk_backends.get(name), w)[STAGES[stage]]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("name", BACKENDS)
+def test_stage(benchmark, workload, name, stage):
+    problem = dk_backends._problem(name, "cpu")
+    if problem is not None:
+        pytest.skip(f"{name}: {problem}")
+    fn = _fn(name, stage, workload)
+    bpe = bk.bytes_per_elt(STAGES[stage], DTYPE)
+    benchmark.group = f"{stage} {common.human_count(NUMEL)} fp32"
+    benchmark.extra_info.update(backend=name, stage=stage, numel=NUMEL, dtype="fp32",
+                                bytes_per_elt=bpe, bytes=bpe * NUMEL,
+                                torch_threads=torch.get_num_threads())
+    fn()  # warm-up outside the timing: first touch, thread pool, the backend's import
+    if name == "torch":  # the reference: 0.4-1.5 s per call at 16M
+        benchmark.pedantic(fn, rounds=TORCH_ROUNDS, iterations=1)
+    else:
+        benchmark(fn)
+    if benchmark.stats is not None:  # None under --benchmark-disable
+        median = benchmark.stats.stats.median
+        benchmark.extra_info["gbps"] = bpe * NUMEL / median / 1e9
