@@ -1,19 +1,23 @@
 """pytest-benchmark CPU microbenchmarks: each stage and a whole step, per CPU backend.
 
 For the backends ``cpu`` (native) and ``torch`` (reference), on one flat fp32 tensor of
-``$DLION_BENCH_NUMEL`` elements (suffixes k, M, G; default 16M), it times
+``$DLION_BENCH_NUMEL`` elements (suffixes k, M, G; default 64M: smaller working sets partly fit
+in this VM's caches, and pytest-benchmark repeats each call on the same tensors), it times
 
 - ``local_step``        votes = binary
 - ``tally_n8``          8 binary vote vectors -> vote/binary aggregate
 - ``apply_vote``        vote/binary aggregate applied to the parameters
 - ``fused_dlion_step``  ``dlion_kernels.fused_dlion_step`` in one process (vote/binary)
 
+and ``copy``, ``dst.copy_(src)`` of ``$DLION_BENCH_NUMEL`` fp32 elements (8 B/element), the
+bandwidth to compare the stages' GB/s with.
+
 with the call signatures and tensors of bench_kernels.py (``Workload``, ``stage_fns``). Each
 result's ``extra_info`` holds the bytes per element the variant must move (bench_kernels'
 ``bytes_per_elt``: 12.125, 1.125, 8.125 and 20.5 for fp32; the step is charged like bench_kernels'
 ``step``, its non-finite check of the gradient is not counted), the bytes, and the GB/s of the
 median. A backend that cannot run here is skipped with the reason. The torch reference is timed
-in 3 rounds of 1 call (0.4-1.5 s per call at 16M).
+in 3 rounds of 1 call (1.5-4 s per call at 64M).
 
 It lies outside ``testpaths`` and is marked ``bench`` (deselected by pyproject's addopts), so it
 runs only when named together with ``-m bench``:
@@ -40,7 +44,7 @@ from dlion_kernels import backends as dk_backends  # noqa: E402
 
 pytestmark = pytest.mark.bench
 
-NUMEL = common.parse_count(os.environ.get("DLION_BENCH_NUMEL", "16M"))
+NUMEL = common.parse_count(os.environ.get("DLION_BENCH_NUMEL", "64M"))
 DTYPE = torch.float32
 BACKENDS = ["cpu", "torch"]
 # test id -> the op whose bytes bench_kernels.bytes_per_elt counts
@@ -81,10 +85,24 @@ def test_stage(benchmark, workload, name, stage):
                                 bytes_per_elt=bpe, bytes=bpe * NUMEL,
                                 torch_threads=torch.get_num_threads())
     fn()  # warm-up outside the timing: first touch, thread pool, the backend's import
-    if name == "torch":  # the reference: 0.4-1.5 s per call at 16M
+    if name == "torch":  # the reference: 1.5-4 s per call at 64M
         benchmark.pedantic(fn, rounds=TORCH_ROUNDS, iterations=1)
     else:
         benchmark(fn)
     if benchmark.stats is not None:  # None under --benchmark-disable
         median = benchmark.stats.stats.median
         benchmark.extra_info["gbps"] = bpe * NUMEL / median / 1e9
+
+
+def test_copy(benchmark):
+    """The same-run reference: a device-to-device copy, 4 bytes read + 4 written per element."""
+    src = torch.randn(NUMEL)
+    dst = torch.empty_like(src)
+    benchmark.group = f"copy {common.human_count(NUMEL)} fp32"
+    benchmark.extra_info.update(backend="torch", stage="copy", numel=NUMEL, dtype="fp32",
+                                bytes_per_elt=8.0, bytes=8.0 * NUMEL,
+                                torch_threads=torch.get_num_threads())
+    dst.copy_(src)
+    benchmark(dst.copy_, src)
+    if benchmark.stats is not None:
+        benchmark.extra_info["gbps"] = 8.0 * NUMEL / benchmark.stats.stats.median / 1e9
