@@ -70,9 +70,9 @@ def test_run_all_smoke(tmp_path):
         infos = {(b["extra_info"]["backend"], b["extra_info"]["stage"]): b["extra_info"]
                  for b in bench["benchmarks"]}
         assert {stage for _, stage in infos} == {"local_step", "tally_n8", "apply_vote",
-                                                 "fused_dlion_step"}
+                                                 "fused_dlion_step", "copy"}
         bytes_per_elt = {"local_step": 12.125, "tally_n8": 1.125, "apply_vote": 8.125,
-                         "fused_dlion_step": 20.5}
+                         "fused_dlion_step": 20.5, "copy": 8.0}
         for (_, stage), info in infos.items():
             assert info["bytes_per_elt"] == bytes_per_elt[stage]
             assert info["bytes"] == info["bytes_per_elt"] * info["numel"] and info["gbps"] > 0
