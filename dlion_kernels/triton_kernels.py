@@ -65,19 +65,33 @@ _ALIGN = 16  # bytes; when all addresses are multiples of this, the kernels are 
 
 
 @triton.jit
-def _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED: tl.constexpr):
+def _load_f32(ptr, offs, numel, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Elements of any float dtype as fp32 (0 past ``numel`` when MASKED). SOFT_BF16 (interpreter
+    only, whose bf16 -> fp32 cast garbles subnormals): the exact conversion done on the bits."""
+    if SOFT_BF16:
+        raw = ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        if MASKED:
+            bits = tl.load(raw + offs, mask=offs < numel, other=0)
+        else:
+            bits = tl.load(raw + offs)
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        if MASKED:
+            return tl.load(ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        else:
+            return tl.load(ptr + offs).to(tl.float32)
+
+
+@triton.jit
+def _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED: tl.constexpr,
+             SOFT_BF16: tl.constexpr):
     """c = b1*m + omb1*g; m <- b2*m + omb2*g (stored); returns c. g = 0 where ``has_g`` is 0."""
     if MASKED:
         mask = offs < numel
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    else:
-        m = tl.load(m_ptr + offs)
+    m = _load_f32(m_ptr, offs, numel, MASKED, False)
     g = tl.zeros_like(m)
     if has_g:
-        if MASKED:
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(g_ptr + offs).to(tl.float32)
+        g = _load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
     c = b1 * m + omb1 * g
     m_new = b2 * m + omb2 * g
     if MASKED:
@@ -108,6 +122,7 @@ def _local_step_kernel(
     G_ALIGN: tl.constexpr,  # elements: every g_off is a multiple of this
     M_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
+    SOFT_BF16: tl.constexpr,  # interpreter with bf16 gradients: exact conversions (_load_f32)
 ):
     """One chunk of BLOCK elements of one tensor, in fp32 (g: stored dtype -> fp32):
 
@@ -134,9 +149,11 @@ def _local_step_kernel(
     cols = tl.arange(0, 32)
     offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
     if start + BLOCK <= numel:
-        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=False)
+        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=False,
+                     SOFT_BF16=SOFT_BF16)
     else:
-        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=True)
+        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=True,
+                     SOFT_BF16=SOFT_BF16)
 
     blk = start // 32 + rows  # block index inside the tensor
     wmask = blk < (numel + 31) // 32
@@ -325,7 +342,8 @@ def _tally_kernel(
 @triton.jit
 def _round(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even. SOFT_BF16 (interpreter only, whose fp32 -> bf16 cast
-    rounds ties away and can drop a carry): the same rounding done on the bits, NaN -> 0x7FC0."""
+    rounds ties away and can drop a carry): the same rounding done on the bits, NaN -> 0x7FC0.
+    The loads of bf16 go through ``_load_f32`` for the same reason."""
     if SOFT_BF16:
         bits = xf.to(tl.int32, bitcast=True)
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
@@ -340,10 +358,7 @@ def _update(x_ptr, offs, numel, d, lr, wd, MASKED: tl.constexpr, SOFT_BF16: tl.c
     """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even)."""
     if MASKED:
         mask = offs < numel
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs)
-    xf = x.to(tl.float32)
+    xf = _load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16)
     xf = xf - lr * (d + wd * xf)
     if MASKED:
         tl.store(x_ptr + offs, _round(xf, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
@@ -553,6 +568,7 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
             G_ALIGN=4 if aligned else 1,
             M_ALIGN=4 if aligned else 1,
             BLOCK=block,
+            SOFT_BF16=_INTERPRETED and g_base.dtype == torch.bfloat16,
             num_warps=8,
             **_LAUNCH_OPTIONS,
         )

@@ -157,6 +157,43 @@ def test_nonfinite(backend, dtype, bad):
         assert found.item() == expected.item() == int(bad is not None), (t, i)
 
 
+def _same_values(actual, expected):
+    """Bit-identical, except that any NaN matches any NaN (payloads may differ)."""
+    a, e = actual.cpu(), expected.cpu()
+    nan = e.isnan()
+    assert torch.equal(a.isnan(), nan)
+    assert torch.equal(a[~nan].view(torch.int16 if a.element_size() == 2 else torch.int32),
+                       e[~nan].view(torch.int16 if e.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the Triton interpreter: inf - inf
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_half_precision_value(backend, dtype):
+    """All 65536 bit patterns (subnormals, the largest values, inf, NaN) as parameters and as
+    gradients: conversions and the final rounding, vectorized or not, equal the reference."""
+    device = backend_device(backend)
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = torch.cat([values, values[:17]])  # and a partial last block
+    offsets, total = block_offsets([values.numel()])
+    kernels = backends.get(backend)
+    for lr, wd in ((0.0, 0.0), (0.3, 0.7), (1.0, 0.0), (2.0**-20, 3.0)):
+        gen = torch.Generator().manual_seed(int(lr * 1000))
+        aggregate = _random_votes(1, total, "binary", gen)[0]
+        expected = [values.clone()]
+        reference.apply(expected, aggregate, offsets, lr, wd, 1, "vote", False)
+        actual = [values.clone().to(device)]
+        kernels.apply(actual, aggregate.to(device), offsets, lr, wd, 1, "vote", False)
+        _same_values(actual[0], expected[0])
+    moms = torch.randn(values.numel(), generator=torch.Generator().manual_seed(3))
+    ref_m, ref_v = [moms.clone()], torch.zeros(total, dtype=torch.int32)
+    reference.local_step([values], ref_m, ref_v, offsets, 0.9, 0.99, False)
+    dev_m, dev_v = [moms.to(device)], torch.zeros(total, dtype=torch.int32, device=device)
+    kernels.local_step([values.to(device)], dev_m, dev_v, offsets, 0.9, 0.99, False)
+    assert torch.equal(dev_v.cpu(), ref_v)
+    _same_values(dev_m[0], ref_m[0])
+
+
 def test_num_blocks_and_offsets():
     assert [num_blocks(s) for s in (0, 1, 31, 32, 33, 4097)] == [0, 1, 1, 1, 2, 129]
     assert block_offsets([1, 33, 32]) == ([0, 1, 3], 4)

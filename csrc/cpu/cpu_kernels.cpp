@@ -1,8 +1,11 @@
-// CPU kernels of the three stages. Compiled with -O3 -ffp-contract=off (no FMA contraction): each
-// fp32 operation rounds once, in the order of reference.py. Work is cut into 32-element blocks so
-// that the element loops are fixed-length and vectorize at the baseline ISA (SSE2 on x86-64).
-// apply is also compiled for AVX2 and picked at run time (same operations, wider vectors): its
-// average-mode decode is compute-bound at SSE2 width (~50% of copy bandwidth), memory-bound at AVX2.
+// CPU kernels of the stages. Compiled with -O3 -ffp-contract=off (no FMA contraction): each fp32
+// operation rounds once, in the order of reference.py. Work is cut into 32-element blocks so that
+// the element loops are fixed-length and vectorize. Every block loop is written once, as an
+// always-inline body, and compiled twice: for the baseline ISA (SSE2 on x86-64) and for AVX2 +
+// F16C, picked at run time. Only the vector width and the fp16 conversion instructions change
+// (F16C rounds to nearest even like the software conversion), so results are bit-identical.
+// The loops prefetch their streams a little ahead: without it a bf16 apply ran 3x slower from
+// DRAM than from cache on the machine this was tuned on (bench/NOTES.md).
 #include "cpu/cpu_kernels.h"
 
 #include <algorithm>
@@ -10,10 +13,16 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#endif
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define DLION_HAVE_AVX2_CLONE 1
+#include <immintrin.h>
+#define DLION_AVX2 __attribute__((target("avx2,f16c")))
 #endif
 
 #include "cpu/convert.h"
@@ -88,31 +97,111 @@ inline void pack_signs(const float* c, uint32_t* pos, uint32_t* neg) {
   *neg = q;
 }
 
+// ----------------------------------------------------------------------------- ISA variants
+
+#ifdef DLION_HAVE_AVX2_CLONE
+// DLION_CPU_NO_AVX2=1 keeps the baseline code (for tests and benchmarks of that path).
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    const char* off = std::getenv("DLION_CPU_NO_AVX2");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("f16c") != 0;
+  }();
+  return has;
+}
+
+DLION_AVX2 inline void fp16_load_block(const fp16* p, float* out) {
+  for (int k = 0; k < kBlock; k += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    _mm256_storeu_ps(out + k, _mm256_cvtph_ps(h));
+  }
+}
+DLION_AVX2 inline void fp16_store_block(fp16* p, const float* in) {
+  for (int k = 0; k < kBlock; k += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + k), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k), h);
+  }
+}
+#endif
+
+// Whether full blocks of T convert through load_block/store_block (fp16 with F16C) rather than
+// element by element inside the arithmetic loop.
+template <bool HW, typename T>
+constexpr bool kBlockConvert = HW && std::is_same_v<T, fp16>;
+
+// A full block of 32 elements to fp32 and back. HW: the AVX2 + F16C variant, whose fp16
+// conversions are single instructions (the software ones do not vectorize).
+template <bool HW, typename T>
+DLION_ALWAYS_INLINE void load_block(const T* p, float* out) {
+#ifdef DLION_HAVE_AVX2_CLONE
+  if constexpr (HW && std::is_same_v<T, fp16>) {
+    fp16_load_block(p, out);
+    return;
+  }
+#endif
+  for (int j = 0; j < kBlock; ++j) out[j] = to_f32(p[j]);
+}
+template <bool HW, typename T>
+DLION_ALWAYS_INLINE void store_block(T* p, const float* in) {
+#ifdef DLION_HAVE_AVX2_CLONE
+  if constexpr (HW && std::is_same_v<T, fp16>) {
+    fp16_store_block(p, in);
+    return;
+  }
+#endif
+  for (int j = 0; j < kBlock; ++j) p[j] = from_f32<T>(in[j]);
+}
+
+// Prefetch the block kPrefetchBytes ahead of `block` in a stream of T (RW: 0 read, 1 write).
+constexpr int kPrefetchBytes = 2048;
+template <int RW, typename T>
+DLION_ALWAYS_INLINE void prefetch_ahead(const T* block) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* p = reinterpret_cast<const char*>(block) + kPrefetchBytes;
+  for (int off = 0; off < kBlock * static_cast<int>(sizeof(T)); off += 64)
+    __builtin_prefetch(p + off, RW, 3);
+#endif
+}
+
 // ----------------------------------------------------------------------------- local_step
 
-template <typename G, bool HAS_G, bool TERNARY>
-void local_step_blocks(const G* g, float* m, int64_t numel, uint32_t* words, int64_t b_begin,
-                       int64_t b_end, float b1, float omb1, float b2, float omb2) {
-  alignas(16) float c[kBlock];
+template <typename G, bool HAS_G, bool TERNARY, bool HW>
+DLION_ALWAYS_INLINE void local_step_body(const G* g, float* m, int64_t numel, uint32_t* words,
+                                         int64_t b_begin, int64_t b_end, float b1, float omb1,
+                                         float b2, float omb2) {
+  alignas(32) float c[kBlock];
+  alignas(32) float gv[kBlock];
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t i0 = b * kBlock;
     const G* gb = HAS_G ? g + i0 : nullptr;
     float* mb = m + i0;
     if (numel - i0 >= kBlock) {
-      for (int j = 0; j < kBlock; ++j) {
-        const float gv = HAS_G ? to_f32(gb[j]) : 0.0f;
-        const float mv = mb[j];
-        c[j] = b1 * mv + omb1 * gv;
-        mb[j] = b2 * mv + omb2 * gv;
+      if (HAS_G) prefetch_ahead<0>(gb);
+      prefetch_ahead<1>(mb);
+      if constexpr (HAS_G && kBlockConvert<HW, G>) {
+        load_block<HW>(gb, gv);
+        for (int j = 0; j < kBlock; ++j) {
+          const float mv = mb[j];
+          c[j] = b1 * mv + omb1 * gv[j];
+          mb[j] = b2 * mv + omb2 * gv[j];
+        }
+      } else {  // one fused loop: fewer instructions where conversions vectorize anyway
+        for (int j = 0; j < kBlock; ++j) {
+          const float gj = HAS_G ? to_f32(gb[j]) : 0.0f;
+          const float mv = mb[j];
+          c[j] = b1 * mv + omb1 * gj;
+          mb[j] = b2 * mv + omb2 * gj;
+        }
       }
     } else {  // the tensor's last, partial block: the bits past its end are 0
       const int count = static_cast<int>(numel - i0);
       for (int j = 0; j < kBlock; ++j) c[j] = 0.0f;
       for (int j = 0; j < count; ++j) {
-        const float gv = HAS_G ? to_f32(gb[j]) : 0.0f;
+        const float gj = HAS_G ? to_f32(gb[j]) : 0.0f;
         const float mv = mb[j];
-        c[j] = b1 * mv + omb1 * gv;
-        mb[j] = b2 * mv + omb2 * gv;
+        c[j] = b1 * mv + omb1 * gj;
+        mb[j] = b2 * mv + omb2 * gj;
       }
     }
     uint32_t pos, neg;
@@ -126,12 +215,42 @@ void local_step_blocks(const G* g, float* m, int64_t numel, uint32_t* words, int
   }
 }
 
+template <typename G, bool HAS_G, bool TERNARY>
+void local_step_base(const G* g, float* m, int64_t numel, uint32_t* words, int64_t b_begin,
+                     int64_t b_end, float b1, float omb1, float b2, float omb2) {
+  local_step_body<G, HAS_G, TERNARY, false>(g, m, numel, words, b_begin, b_end, b1, omb1, b2,
+                                            omb2);
+}
+#ifdef DLION_HAVE_AVX2_CLONE
+template <typename G, bool HAS_G, bool TERNARY>
+DLION_AVX2 void local_step_avx2(const G* g, float* m, int64_t numel, uint32_t* words,
+                                int64_t b_begin, int64_t b_end, float b1, float omb1, float b2,
+                                float omb2) {
+  local_step_body<G, HAS_G, TERNARY, true>(g, m, numel, words, b_begin, b_end, b1, omb1, b2,
+                                           omb2);
+}
+#endif
+
+// DLION_PICK(name, template args): the block function name_avx2<...> when the CPU has AVX2 and
+// F16C, else name_base<...>.
+#ifdef DLION_HAVE_AVX2_CLONE
+template <typename Fn>
+Fn pick(Fn base, Fn avx2) {
+  return cpu_has_avx2() ? avx2 : base;
+}
+#define DLION_PICK(fn, ...) pick(&fn##_base<__VA_ARGS__>, &fn##_avx2<__VA_ARGS__>)
+#else
+#define DLION_PICK(fn, ...) (&fn##_base<__VA_ARGS__>)
+#endif
+
 template <typename G, bool TERNARY>
 void local_step_typed(const int64_t* table, int64_t n_tensors, uint32_t* votes, float b1,
                       float omb1, float b2, float omb2, int threads) {
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
   constexpr int planes = TERNARY ? 2 : 1;
+  const auto with_g = DLION_PICK(local_step, G, true, TERNARY);
+  const auto without_g = DLION_PICK(local_step, G, false, TERNARY);
   parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
                [&](int64_t i) {
                  const Task& task = tasks[i];
@@ -140,13 +259,8 @@ void local_step_typed(const int64_t* table, int64_t n_tensors, uint32_t* votes, 
                  float* m = reinterpret_cast<float*>(table[kRowB * T + t]);
                  const int64_t numel = table[kRowNumel * T + t];
                  uint32_t* words = votes + planes * table[kRowBlock * T + t];
-                 if (g != nullptr) {
-                   local_step_blocks<G, true, TERNARY>(g, m, numel, words, task.begin, task.end,
-                                                       b1, omb1, b2, omb2);
-                 } else {
-                   local_step_blocks<G, false, TERNARY>(g, m, numel, words, task.begin,
-                                                        task.end, b1, omb1, b2, omb2);
-                 }
+                 (g != nullptr ? with_g : without_g)(g, m, numel, words, task.begin, task.end, b1,
+                                                     omb1, b2, omb2);
                });
 }
 
@@ -331,12 +445,13 @@ enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAver
 // D = float(a*q - n) / float(n) by a vectorized IEEE division (exactly reference.py's
 // `num.to(f32) / f32(n)`). PL > 0 is the number of planes known at compile time (fully unrolled,
 // q stays in registers); PL == 0 reads it from `planes`.
-template <typename P, int KIND, int PL>
-DLION_ALWAYS_INLINE void apply_blocks_body(
-    P* x, int64_t numel, const uint32_t* words, int planes_rt, int64_t b_begin, int64_t b_end,
-    float lr, float wd, int n, float nf) {
+template <typename P, int KIND, int PL, bool HW>
+DLION_ALWAYS_INLINE void apply_body(P* x, int64_t numel, const uint32_t* words, int planes_rt,
+                                    int64_t b_begin, int64_t b_end, float lr, float wd, int n,
+                                    float nf) {
   const int planes = PL > 0 ? PL : planes_rt;
   alignas(32) float d[kBlock];
+  alignas(32) float xv[kBlock];
   for (int64_t b = b_begin; b < b_end; ++b) {
     if (KIND == kVoteBinary) {
       const uint32_t w = words[b];
@@ -362,9 +477,16 @@ DLION_ALWAYS_INLINE void apply_blocks_body(
     P* xb = x + i0;
     const int count = static_cast<int>(std::min<int64_t>(kBlock, numel - i0));
     if (count == kBlock) {
-      for (int j = 0; j < kBlock; ++j) {
-        const float xf = to_f32(xb[j]);
-        xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+      prefetch_ahead<1>(xb);
+      if constexpr (kBlockConvert<HW, P>) {
+        load_block<HW>(xb, xv);
+        for (int j = 0; j < kBlock; ++j) xv[j] = xv[j] - lr * (d[j] + wd * xv[j]);
+        store_block<HW>(xb, xv);
+      } else {  // one fused loop: fewer instructions where conversions vectorize anyway
+        for (int j = 0; j < kBlock; ++j) {
+          const float xf = to_f32(xb[j]);
+          xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+        }
       }
     } else {
       for (int j = 0; j < count; ++j) {
@@ -376,46 +498,22 @@ DLION_ALWAYS_INLINE void apply_blocks_body(
 }
 
 template <typename P, int KIND, int PL>
-void apply_blocks_base(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
-                       int64_t b_end, float lr, float wd, int n, float nf) {
-  apply_blocks_body<P, KIND, PL>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
+void apply_base(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
+                int64_t b_end, float lr, float wd, int n, float nf) {
+  apply_body<P, KIND, PL, false>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
 }
-
-// The same code compiled for AVX2 (8 lanes; the x86-64 baseline is SSE2), chosen at run time when
-// the CPU has it. Only the vector width changes: every lane does the same IEEE fp32 operations
-// (no FMA: the target does not enable it and -ffp-contract=off forbids contraction), so results
-// are bit-identical to the baseline code and to reference.py.
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define DLION_HAVE_AVX2_CLONE 1
+#ifdef DLION_HAVE_AVX2_CLONE
 template <typename P, int KIND, int PL>
-__attribute__((target("avx2"))) void apply_blocks_avx2(P* x, int64_t numel,
-                                                       const uint32_t* words, int planes,
-                                                       int64_t b_begin, int64_t b_end, float lr,
-                                                       float wd, int n, float nf) {
-  apply_blocks_body<P, KIND, PL>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
-}
-
-// DLION_CPU_NO_AVX2=1 keeps the baseline code (for tests and benchmarks of that path).
-bool cpu_has_avx2() {
-  static const bool has = [] {
-    const char* off = std::getenv("DLION_CPU_NO_AVX2");
-    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return has;
+DLION_AVX2 void apply_avx2(P* x, int64_t numel, const uint32_t* words, int planes,
+                           int64_t b_begin, int64_t b_end, float lr, float wd, int n, float nf) {
+  apply_body<P, KIND, PL, true>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
 }
 #endif
 
 template <typename P, int KIND, int PL>
 void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
                  float lr, float wd, int64_t n, int threads) {
-  using BlocksFn = void (*)(P*, int64_t, const uint32_t*, int, int64_t, int64_t, float, float, int,
-                            float);
-  BlocksFn blocks = &apply_blocks_base<P, KIND, PL>;
-#ifdef DLION_HAVE_AVX2_CLONE
-  if (cpu_has_avx2()) blocks = &apply_blocks_avx2<P, KIND, PL>;
-#endif
+  const auto blocks = DLION_PICK(apply, P, KIND, PL);
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
   const float nf = static_cast<float>(n);
@@ -472,10 +570,47 @@ void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggreg
 
 // x * 0 is NaN exactly when x is inf or NaN, and 0 otherwise, so 32 lane sums of g * 0 stay 0
 // until a non-finite element reaches them: fixed-length independent lanes, which vectorize.
+template <typename G, bool HW>
+DLION_ALWAYS_INLINE bool nonfinite_body(const G* g, int64_t numel, int64_t b_begin,
+                                        int64_t b_end) {
+  alignas(32) float acc[kBlock] = {};
+  alignas(32) float gv[kBlock];
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    const G* gb = g + b * kBlock;
+    const int64_t count = std::min<int64_t>(kBlock, numel - b * kBlock);
+    if (count == kBlock) {
+      prefetch_ahead<0>(gb);
+      if constexpr (kBlockConvert<HW, G>) {
+        load_block<HW>(gb, gv);
+        for (int j = 0; j < kBlock; ++j) acc[j] += gv[j] * 0.0f;
+      } else {
+        for (int j = 0; j < kBlock; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
+      }
+    } else {
+      for (int j = 0; j < count; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
+    }
+  }
+  bool any = false;
+  for (int j = 0; j < kBlock; ++j) any |= acc[j] != acc[j];
+  return any;
+}
+
+template <typename G>
+bool nonfinite_base(const G* g, int64_t numel, int64_t b_begin, int64_t b_end) {
+  return nonfinite_body<G, false>(g, numel, b_begin, b_end);
+}
+#ifdef DLION_HAVE_AVX2_CLONE
+template <typename G>
+DLION_AVX2 bool nonfinite_avx2(const G* g, int64_t numel, int64_t b_begin, int64_t b_end) {
+  return nonfinite_body<G, true>(g, numel, b_begin, b_end);
+}
+#endif
+
 template <typename G>
 bool nonfinite_typed(const int64_t* table, int64_t n_tensors, int threads) {
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
+  const auto blocks = DLION_PICK(nonfinite, G);
   std::atomic<bool> found{false};
   parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
                [&](int64_t i) {
@@ -483,20 +618,8 @@ bool nonfinite_typed(const int64_t* table, int64_t n_tensors, int threads) {
                  const Task& task = tasks[i];
                  const int64_t t = task.tensor, T = n_tensors;
                  const G* g = reinterpret_cast<const G*>(table[kRowA * T + t]);
-                 const int64_t numel = table[kRowNumel * T + t];
-                 alignas(16) float acc[kBlock] = {};
-                 for (int64_t b = task.begin; b < task.end; ++b) {
-                   const G* gb = g + b * kBlock;
-                   const int64_t count = std::min<int64_t>(kBlock, numel - b * kBlock);
-                   if (count == kBlock) {
-                     for (int j = 0; j < kBlock; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
-                   } else {
-                     for (int j = 0; j < count; ++j) acc[j] += to_f32(gb[j]) * 0.0f;
-                   }
-                 }
-                 bool any = false;
-                 for (int j = 0; j < kBlock; ++j) any |= acc[j] != acc[j];
-                 if (any) found.store(true, std::memory_order_relaxed);
+                 if (blocks(g, table[kRowNumel * T + t], task.begin, task.end))
+                   found.store(true, std::memory_order_relaxed);
                });
   return found.load();
 }
