@@ -241,7 +241,8 @@ class _NativeBackend:
         table, code = self._local_step_table(grads, exp_avgs, offsets)
         if table.count == 0:
             return
-        _check_words(votes, "votes", table.end_block * vote_planes("ternary" if ternary else "binary"))
+        planes = vote_planes("ternary" if ternary else "binary")
+        _check_words(votes, "votes", table.end_block * planes)
         beta1, beta2 = float(beta1), float(beta2)
         args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, bool(ternary))
         if votes.device != exp_avgs[0].device:

@@ -166,7 +166,7 @@ def _same_values(actual, expected):
                        e[~nan].view(torch.int16 if e.element_size() == 2 else torch.int32))
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the Triton interpreter: inf - inf
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: inf - inf
 @pytest.mark.parametrize("backend", fast_backends())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_every_half_precision_value(backend, dtype):

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SIZES = [1, 31, 32, 33, 4097]
+MIXED = [33, 1, 4097, 32, 7, 100_000, 31]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -61,7 +62,7 @@ def _clone(ts):
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ternary", [False, True])
-@pytest.mark.parametrize("sizes", [[s] for s in SIZES] + [[33, 1, 4097, 32, 7, 100_000, 31], [1_000_000]])
+@pytest.mark.parametrize("sizes", [[s] for s in SIZES] + [MIXED, [1_000_000]])
 def test_local_step_and_apply_match_reference(device, dtype, ternary, sizes):
     be = native.backend(device)
     grads, moms, params = _case(sizes, dtype, seed=len(sizes) * 31 + sizes[0], none_every=3,

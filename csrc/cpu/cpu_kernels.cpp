@@ -65,7 +65,8 @@ std::vector<Task> make_tasks(const int64_t* table, int64_t n_tensors, int64_t* t
     const int64_t numel = table[kRowNumel * n_tensors + t];
     const int64_t nb = (numel + kBlock - 1) / kBlock;
     *total_blocks += nb;
-    for (int64_t b = 0; b < nb; b += kTaskBlocks) tasks.push_back({t, b, std::min(nb, b + kTaskBlocks)});
+    for (int64_t b = 0; b < nb; b += kTaskBlocks)
+      tasks.push_back({t, b, std::min(nb, b + kTaskBlocks)});
   }
   return tasks;
 }

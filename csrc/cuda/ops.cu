@@ -171,7 +171,8 @@ void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, i
   auto* o = reinterpret_cast<uint32_t*>(out);
   const int ni = static_cast<int>(n);
   if (ternary) {
-    launch_tally<true>(count_planes, grid, s, in, row_words, ni, blocks, o, average, out_planes, tie);
+    launch_tally<true>(count_planes, grid, s, in, row_words, ni, blocks, o, average, out_planes,
+                       tie);
   } else {
     launch_tally<false>(count_planes, grid, s, in, row_words, ni, blocks, o, average, out_planes,
                         tie);
