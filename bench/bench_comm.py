@@ -381,14 +381,11 @@ def main(argv=None) -> int:
 
 def plot(rows: list[dict], out_dir: str) -> str | None:
     """Step time (slowest rank) against d, log-log, one line per variant, one panel per n."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return None
+    from matplotlib.ticker import FuncFormatter
+
     ns = sorted({r["n"] for r in rows})
     if not ns:
         return None
@@ -404,20 +401,14 @@ def plot(rows: list[dict], out_dir: str) -> str | None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: common.human_count(int(v))))
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        common.log_ms_axis(ax.yaxis)
         ax.set_title(f"n = {n}")
         ax.set_xlabel("d (fp32 elements per rank)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("step ms (slowest rank, median)")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle("bench_comm: time per step, gloo over loopback")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "bench_comm.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, out_dir, "bench_comm")
 
 
 if __name__ == "__main__":

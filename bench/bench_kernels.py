@@ -80,7 +80,7 @@ import common  # noqa: E402  (adds the repository root to sys.path)
 import torch  # noqa: E402
 
 from dlion_kernels import backends as dk_backends  # noqa: E402
-from dlion_kernels.layout import aggregate_planes, block_offsets, tie_pattern  # noqa: E402
+from dlion_kernels.layout import aggregate_planes, block_offsets  # noqa: E402
 
 NAME = "bench_kernels"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -703,12 +703,8 @@ def targets(rows, device, names) -> str:
 
 def plot(rows, out_dir, device):
     """GB/s vs flat size, one panel per op, one line per implementation and dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
+    plt = common.pyplot()
+    if plt is None:
         return None
     flat = [r for r in rows if r["shape"] == "flat" and r.get("gbps")]
     if not flat:
@@ -743,11 +739,7 @@ def plot(rows, out_dir, device):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"bench_kernels on {device}")
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{NAME}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, out_dir, NAME)
 
 
 if __name__ == "__main__":

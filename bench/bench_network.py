@@ -549,13 +549,8 @@ def main(argv=None) -> int:
 
 def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
     """Grouped bars: step time (slowest rank) of each variant at each (rate, n)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return None
     configs = list(dict.fromkeys((r["rate_gbit"], r["n"]) for r in rows))
     if not configs:
@@ -575,18 +570,12 @@ def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
     ax.set_xticklabels([f"{rate:g} Gbit/s\nn = {n}" for rate, n in configs])
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(r["t_max_ms"] for r in rows) / 2)  # log bars: show every bar's foot
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    common.log_ms_axis(ax.yaxis)
     ax.set_ylabel("ms per step (slowest rank, median)")
     ax.set_title(f"bench_network: {common.human_count(numel)} fp32 parameters")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "bench_network.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, out_dir, "bench_network")
 
 
 if __name__ == "__main__":

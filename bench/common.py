@@ -176,6 +176,41 @@ def save_text(out_dir: str, filename: str, text: str) -> str:
     return path
 
 
+# ----------------------------------------------------------------------------- plots
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def log_ms_axis(axis) -> None:
+    """A log-scale time axis labelled 1, 2, 5, 10, 20, ... without minor labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Write <name>.png into out_dir and free the figure; return the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ----------------------------------------------------------------------------- tables
 
 
