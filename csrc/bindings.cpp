@@ -84,6 +84,8 @@ PYBIND11_MODULE(_C, m) {
       "apply over the parameters of a host table: x = x - lr * (D + wd * x) in fp32 with D\n"
       "decoded from the packed aggregate, stored back in p_dtype (0 fp32, 1 bf16, 2 fp16; RNE).");
 
+  m.def("cpu_isa", &dlion::cpu_isa,
+        "The variant of the CPU kernels in use: 'avx2+f16c' or 'baseline' (DLION_CPU_NO_AVX2=1).");
   m.def(
       "cpu_nonfinite",
       [](int64_t table, int64_t n_tensors, int g_dtype, int threads) {

@@ -52,7 +52,9 @@ def _load():
 def build_info() -> str:
     """How the native module was built, or why it cannot be loaded."""
     C = _load()
-    return C.build_info() if C is not None else f"not available: {_C_error}"
+    if C is None:
+        return f"not available: {_C_error}"
+    return f"{C.build_info()}; cpu kernels in use: {C.cpu_isa()}"
 
 
 def problem(name: str) -> str | None:

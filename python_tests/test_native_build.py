@@ -33,6 +33,8 @@ def test_build_info():
     info = C.build_info()
     assert "cpu:" in info and "cuda:" in info
     assert isinstance(C.has_cuda(), bool)
+    assert C.cpu_isa() in ("avx2+f16c", "baseline")
+    assert C.cpu_isa() in native.build_info()
     if not C.has_cuda():
         assert C.cuda_not_built_reason()
         assert "without CUDA" in native.problem("cuda")
@@ -151,3 +153,24 @@ def test_bad_buffers_raise():
     with pytest.raises(ValueError, match="out"):
         be.tally(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 2,
                  "vote", False, 0)
+
+
+def test_baseline_isa_variant():
+    """The CPU kernels' SSE2 variant (the AVX2 + F16C one runs everywhere else in this suite):
+    the same reference checks in a process that has DLION_CPU_NO_AVX2=1 from the start."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    native_test = "test_native_build.py::test_local_step_and_apply_match_reference"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           os.path.join(here, native_test), os.path.join(here, "test_kernels.py"),
+           "-k", "cpu and (every_half or nonfinite or apply)"]
+    env = {**os.environ, "DLION_CPU_NO_AVX2": "1"}
+    isa = subprocess.run([sys.executable, "-c", "import dlion_kernels.native as n; "
+                          "print(n._load().cpu_isa())"], capture_output=True, text=True, env=env)
+    assert isa.stdout.strip() == "baseline", isa.stdout + isa.stderr
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=here)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -674,6 +674,13 @@ void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uin
   throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
 }
 
+std::string cpu_isa() {
+#ifdef DLION_HAVE_AVX2_CLONE
+  if (cpu_has_avx2()) return "avx2+f16c";
+#endif
+  return "baseline";
+}
+
 bool cpu_nonfinite(const int64_t* table, int64_t n_tensors, DType g_dtype, int threads) {
   switch (g_dtype) {
     case DType::kFloat32:

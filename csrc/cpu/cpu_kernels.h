@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common.h"
 
@@ -20,6 +21,9 @@ void cpu_tally(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t bl
 // x = x - lr * (D + wd * x) in fp32, D decoded from the packed aggregate; stored as p_dtype.
 void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uint32_t* aggregate,
                float lr, float wd, int64_t n, bool average, bool ternary, int threads);
+
+// The variant of the CPU kernels this process runs: "avx2+f16c" or "baseline" (SSE2 on x86-64).
+std::string cpu_isa();
 
 // Whether any element of the tensors of a table (row a) is inf or NaN.
 bool cpu_nonfinite(const int64_t* table, int64_t n_tensors, DType g_dtype, int threads);
