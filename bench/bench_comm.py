@@ -371,11 +371,7 @@ def main(argv=None) -> int:
     text = "\n".join(md)
     common.save_text(out_dir, "bench_comm.md", text)
     print(text)
-    if args.no_plot:
-        print("no plot (--no-plot)")
-    else:
-        png = plot(rows, out_dir)
-        print(f"saved {png}" if png else "no plot: matplotlib is not installed")
+    common.plot_unless(args.no_plot, lambda: plot(rows, out_dir))
     return 0
 
 

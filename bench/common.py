@@ -200,6 +200,16 @@ def log_ms_axis(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def plot_unless(no_plot: bool, make) -> None:
+    """Call ``make()`` (a plot function returning the PNG path, or None without matplotlib)
+    unless --no-plot was given, and say what happened."""
+    if no_plot:
+        print("no plot (--no-plot)")
+        return
+    png = make()
+    print(f"saved {png}" if png else "no plot: matplotlib is not installed")
+
+
 def save_figure(fig, out_dir: str, name: str) -> str:
     """Write <name>.png into out_dir and free the figure; return the path."""
     import matplotlib.pyplot as plt
