@@ -1,4 +1,4 @@
-"""Builds the native module ``dlion_kernels._C`` with CMake (see CMakeLists.txt).
+"""Builds the native module ``dlion_kernels.kernels._C`` with CMake (see CMakeLists.txt).
 
     pip install .                                   # wheel
     pip install -e .                                # editable
@@ -96,4 +96,4 @@ class CMakeBuild(build_ext):
         )
 
 
-setup(ext_modules=[CMakeExtension("dlion_kernels._C")], cmdclass={"build_ext": CMakeBuild})
+setup(ext_modules=[CMakeExtension("dlion_kernels.kernels._C")], cmdclass={"build_ext": CMakeBuild})

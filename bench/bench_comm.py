@@ -63,7 +63,7 @@ def allreduce_bytes(n: int, d: int, elem_bytes: int) -> float:
 
 def packed_sizes(mode: str, votes: str, n: int, d: int) -> tuple[int, int, int]:
     """(shard blocks, vote planes, aggregate planes) of the step's wire format (layout.py)."""
-    from dlion_kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
+    from dlion_kernels.kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
 
     return shard_blocks(num_blocks(d), n), vote_planes(votes), aggregate_planes(mode, votes, n)
 

@@ -79,8 +79,8 @@ import common  # noqa: E402  (adds the repository root to sys.path)
 
 import torch  # noqa: E402
 
-from dlion_kernels import backends as dk_backends  # noqa: E402
-from dlion_kernels.layout import aggregate_planes, block_offsets  # noqa: E402
+from dlion_kernels.kernels import backends as dk_backends  # noqa: E402
+from dlion_kernels.kernels.layout import aggregate_planes, block_offsets  # noqa: E402
 
 NAME = "bench_kernels"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -174,7 +174,7 @@ def worker(cfg_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import dlion_kernels as dk
-    from dlion_kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
+    from dlion_kernels.kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
 
     with open(cfg_path) as f:
         cfg = json.load(f)

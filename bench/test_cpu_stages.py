@@ -40,7 +40,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 import dlion_kernels  # noqa: E402
-from dlion_kernels import backends as dk_backends  # noqa: E402
+from dlion_kernels.kernels import backends as dk_backends  # noqa: E402
 
 pytestmark = pytest.mark.bench
 

@@ -1,8 +1,16 @@
-"""dlion_kernels: fused kernels for Distributed Lion, 1 bit per parameter on the wire."""
+"""dlion_kernels: fused kernels for Distributed Lion, 1 bit per parameter on the wire.
 
-from .backends import BackendUnavailable, available_backends
-from .optim import DistributedLion
-from .step import NonFiniteGradientError, StepStats, fused_dlion_step
+Floors (each imports only from the floors below it):
+
+- ``kernels``   the fused stages on every backend (torch reference, C++ cpu, CUDA, Triton)
+- ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
+- ``optim``     ``torch.optim`` front ends (``DistributedLion``)
+- ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
+"""
+
+from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
+from .kernels.backends import BackendUnavailable, available_backends
+from .optim.dlion import DistributedLion
 
 __all__ = [
     "BackendUnavailable",

@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dlion_kernels import backends  # noqa: E402
+from dlion_kernels.kernels import backends  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # One rounding of the storage dtype, relative (half an ulp each way between two roundings).

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .step import (
-    Segment,
-    StepStats,
+from ..exchange.checks import (
     check_hyperparameters,
     check_options,
     check_params,
     check_tensors,
-    run_step,
 )
+from ..exchange.step import Segment, StepStats, run_step
 
 
 class DistributedLion(torch.optim.Optimizer):

@@ -1,6 +1,6 @@
 """The native module: build facts, import safety, and the 'cpu' backend against reference.py.
 
-The full cross-backend suite is test_kernels.py; this file pins the native module itself (and
+The full cross-backend suite is test_backends.py; this file pins the native module itself (and
 runs the CUDA backend too where one is built and a device is visible).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlion_kernels import native, reference
-from dlion_kernels.layout import aggregate_planes, block_offsets, vote_planes
+from dlion_kernels.kernels import native, reference
+from dlion_kernels.kernels.layout import aggregate_planes, block_offsets, vote_planes
 
 pytestmark = pytest.mark.skipif(
     native.problem("cpu") is not None, reason=str(native.problem("cpu"))
@@ -163,12 +163,12 @@ def test_baseline_isa_variant():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    native_test = "test_native_build.py::test_local_step_and_apply_match_reference"
+    native_test = "test_native.py::test_local_step_and_apply_match_reference"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           os.path.join(here, native_test), os.path.join(here, "test_kernels.py"),
+           os.path.join(here, native_test), os.path.join(here, "test_backends.py"),
            "-k", "cpu and (every_half or nonfinite or apply)"]
     env = {**os.environ, "DLION_CPU_NO_AVX2": "1"}
-    isa = subprocess.run([sys.executable, "-c", "import dlion_kernels.native as n; "
+    isa = subprocess.run([sys.executable, "-c", "import dlion_kernels.kernels.native as n; "
                           "print(n._load().cpu_isa())"], capture_output=True, text=True, env=env)
     assert isa.stdout.strip() == "baseline", isa.stdout + isa.stderr
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=here)

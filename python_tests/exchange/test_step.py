@@ -5,7 +5,7 @@ import torch
 from conftest import DTYPES, RTOL, assert_close_storage, backend_device, fast_backends
 
 import dlion_kernels as dk
-from dlion_kernels.backends import BackendUnavailable
+from dlion_kernels.kernels.backends import BackendUnavailable
 
 MODES = [(m, v) for m in ("vote", "average") for v in ("binary", "ternary")]
 

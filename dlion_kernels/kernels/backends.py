@@ -13,8 +13,7 @@ import torch
 BACKENDS = ("cuda", "triton", "cpu", "torch")
 
 
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here; the message says why and how to get it."""
+from .errors import BackendUnavailable  # noqa: F401  (re-exported)
 
 
 def _triton_problem(device_type: str) -> str | None:
@@ -84,9 +83,9 @@ def get(name: str):
 
         return reference
     if name == "triton":
-        from . import triton_kernels
+        from . import triton
 
-        return triton_kernels
+        return triton
     from . import native
 
     return native.backend(name)

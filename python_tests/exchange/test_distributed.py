@@ -7,8 +7,8 @@ from conftest import assert_close_storage, backend_device
 from workers import run_workers
 
 import dlion_kernels as dk
-from dlion_kernels import backends, reference
-from dlion_kernels.layout import aggregate_planes, block_offsets, vote_planes
+from dlion_kernels.kernels import backends, reference
+from dlion_kernels.kernels.layout import aggregate_planes, block_offsets, vote_planes
 
 SIZES = [(33,), (4097,), (5, 7), (1,), (64,)]
 COMBOS = [(m, v) for m in ("vote", "average") for v in ("binary", "ternary")]

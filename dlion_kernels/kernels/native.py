@@ -25,6 +25,7 @@ from collections import OrderedDict
 import torch
 
 from . import reference
+from .errors import BackendUnavailable
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,7 +66,7 @@ def problem(name: str) -> str | None:
         raise ValueError(f"native backends are 'cpu' and 'cuda', got {name!r}")
     C = _load()
     if C is None:
-        return f"dlion_kernels._C is not built or cannot be loaded ({_C_error}): {_REBUILD}"
+        return f"dlion_kernels.kernels._C is not built or cannot be loaded ({_C_error}): {_REBUILD}"
     if name == "cpu":
         return None
     if not C.has_cuda():
@@ -92,8 +93,6 @@ def backend(name: str):
     """The stage functions of the native backend ``name`` ('cpu' or 'cuda')."""
     reason = problem(name)
     if reason is not None:
-        from .backends import BackendUnavailable
-
         raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
     if name not in _backends:
         _backends[name] = _NativeBackend(name == "cuda")

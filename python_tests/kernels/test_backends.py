@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import DTYPES, assert_close_storage, backend_device, fast_backends
 
-from dlion_kernels import backends, reference
-from dlion_kernels.layout import aggregate_planes, block_offsets, num_blocks, vote_planes
+from dlion_kernels.kernels import backends, reference
+from dlion_kernels.kernels.layout import aggregate_planes, block_offsets, num_blocks, vote_planes
 
 SIZES = {
     "1": [1],

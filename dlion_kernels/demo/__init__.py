@@ -1,0 +1,1 @@
+"""The training demos: ``python -m dlion_kernels.demo`` (digits on N gloo workers)."""

@@ -1,0 +1,1 @@
+"""Floor 2: the D-Lion protocol on a process group."""

@@ -1,0 +1,98 @@
+"""Argument validation at the Python boundary: clear ``ValueError``/``TypeError`` naming the
+argument and what is allowed, raised before anything is modified."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import backends
+
+MODES = ("vote", "average")
+VOTES = ("binary", "ternary")
+NONFINITE = ("raise", "skip")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_hyperparameters(lr, betas, weight_decay) -> tuple[float, float]:
+    if not _is_real(lr) or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
+    if not _is_real(weight_decay) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    return float(betas[0]), float(betas[1])
+
+
+def check_options(mode, votes, backend, nonfinite) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if votes not in VOTES:
+        raise ValueError(f"votes must be one of {VOTES}, got {votes!r}")
+    if backend is not None and backend not in backends.BACKENDS:
+        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
+def _check_tensor(name: str, i: int, t, like: torch.Tensor | None, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}[{i}] must be a dense (strided) tensor, got layout {t.layout}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}[{i}] must have dtype {allowed}; got {t.dtype}")
+    if like is not None:
+        if t.shape != like.shape:
+            raise ValueError(
+                f"{name}[{i}] has shape {tuple(t.shape)}, params[{i}] has {tuple(like.shape)}"
+            )
+        if t.device != like.device:
+            raise ValueError(
+                f"{name}[{i}] is on device {t.device}, params[{i}] on device {like.device}"
+            )
+
+
+def check_params(params) -> torch.device | None:
+    """Each param is a dense fp32/bf16/fp16 tensor, all on one device; return that device."""
+    device = None
+    for i, p in enumerate(params):
+        _check_tensor("params", i, p, None, DTYPES)
+        if device is None:
+            device = p.device
+        elif p.device != device:
+            raise ValueError(
+                f"all tensors must be on one device: params[{i}] is on {p.device}, "
+                f"params[0] on {device}"
+            )
+    return device
+
+
+def check_tensors(params, grads, exp_avgs) -> torch.device | None:
+    """Validate the three lists; return their common device (None for empty lists)."""
+    for name, seq in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs)):
+        if isinstance(seq, torch.Tensor) or not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(seq).__name__}")
+    if not len(params) == len(grads) == len(exp_avgs):
+        raise ValueError(
+            "params, grads and exp_avgs must have equal lengths, got "
+            f"{len(params)}, {len(grads)}, {len(exp_avgs)}"
+        )
+    device = check_params(params)
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        if g is not None:
+            _check_tensor("grads", i, g, p, DTYPES)
+        _check_tensor("exp_avgs", i, m, p, (torch.float32,))
+        if m.data_ptr() == p.data_ptr() and p.numel() > 0:
+            raise ValueError(f"exp_avgs[{i}] aliases params[{i}]; momentum needs its own storage")
+    return device

@@ -1,0 +1,1 @@
+"""Floor 1: the fused stages on every backend (see ``backends.py``)."""

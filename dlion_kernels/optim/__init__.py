@@ -1,0 +1,1 @@
+"""Floor 3: ``torch.optim`` front ends."""
