@@ -155,7 +155,6 @@ class BucketEngine:
                     "micro-batch but the last inside no_sync() to accumulate gradients (nothing "
                     "was modified)"
                 )
-            return None
 
         return pre_hook
 

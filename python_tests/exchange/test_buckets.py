@@ -1,6 +1,8 @@
 """The bucket engine: ready order, bucket layout, ordered on_ready during backward, flush,
 no_sync, the second-backward error, and identical buckets on every gloo rank."""
 
+import itertools
+
 import pytest
 import torch
 from workers import run_workers
@@ -12,7 +14,7 @@ from dlion_kernels.kernels.layout import num_blocks
 def _mlp(widths=(5, 33, 31, 7), seed=0):
     torch.manual_seed(seed)
     layers = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers[:-1])
 
