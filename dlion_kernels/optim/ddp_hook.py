@@ -13,17 +13,18 @@ is zero in the buffer, which D-Lion counts like ``None``) and ``static_graph`` w
 Parameters of the optimizer that no DDP bucket carried this step are exchanged by ``step()``.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 
 from .dlion import DistributedLion
 
 
-def _dlion_hook(opt: DistributedLion, bucket) -> torch.futures.Future:
+# DDP checks these annotations (so no ``from __future__ import annotations`` here).
+def _dlion_hook(
+    opt: DistributedLion, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     opt._exchange_bucket(list(bucket.parameters()), list(bucket.gradients()))
-    fut: torch.futures.Future = torch.futures.Future()
+    fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
 
