@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter-ms", type=float, help="extra compute delay per rank and step (0)")
     p.add_argument("--jitter-dist", choices=JITTER_DISTS, help="uniform on [0, jitter] "
                    "(default) or normal with sigma = jitter")
+    p.add_argument("--cpu-gbs", type=float, help="host processing rate per rank, GB/s, for "
+                   "the bytes a collective sends or sums (default: free, as with NCCL/RDMA)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, MB (25)")
     p.add_argument("--tensors", type=int, default=1, help="tensor count, for padding (1)")
     p.add_argument("--grad-dtype", default="fp32", help="gradient dtype (fp32)")
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
                      f"{', '.join(missing)}")
     if "opt_ms" not in inputs and args.mem_gbs > 0:  # stated, so the output shows it
         inputs["opt_ms"] = args.params * OPT_BYTES_PER_PARAM / (args.mem_gbs * 1e9) * 1e3
-    options = dict(mem_gbs=args.mem_gbs, bucket_mb=args.bucket_mb, tensors=args.tensors,
+    options = dict(mem_gbs=args.mem_gbs, cpu_gbs=args.cpu_gbs, bucket_mb=args.bucket_mb, tensors=args.tensors,
                    grad_dtype=args.grad_dtype, param_dtype=args.param_dtype,
                    gossip_dtype=args.gossip_dtype, modes=args.modes, topologies=args.topologies,
                    calibration=measured.get("calibration"))

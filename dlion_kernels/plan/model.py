@@ -20,8 +20,10 @@ Collectives (the algorithms gloo and NCCL run; p ranks, S bytes, chunk c per ste
 - all_to_all_single (pairwise, all sends posted at once): one alpha, then the larger of the
   intra bytes over the rank's intra link and the node's inter bytes over its NIC.
 
-A collective's time is ``lat_scale * latency terms + bw_scale * bandwidth terms``; both scales are
-1 unless ``--measure`` fitted them on a real group (``calibration``).
+A collective's time is ``lat_scale * latency terms + bw_scale * bandwidth terms`` (both scales 1
+unless ``--measure`` fitted them on a real group: ``calibration``) ; the host's work on the bytes
+the rank sends or sums at ``cpu_gbs`` GB/s (none by default; it matters for gloo on CPU cores)
+overlaps the transfer: the bandwidth term is the larger of the two.
 
 Compute. fwd, bwd and optimizer (``opt_ms``: one pass of the optimizer over all parameters) per
 rank, plus a random extra delay per rank and step (``jitter_ms``: uniform on [0, jitter] or
@@ -40,7 +42,9 @@ intervals during backward; one communication channel, buckets exchanged in order
   the backward stream); apply after the last bucket.
 - ``dlion-hier-<mode>[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
   gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
-  inter groups share its NIC), intra-node all-gather of the parameters; the optimizer on 1/L.
+  inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
+  does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
+  on all elements (on 1/L with gathered parameters).
 - ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
   a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
   topology's schedule is averaged over its period.
@@ -145,6 +149,10 @@ class Cluster:
     inter: Link
     algorithm: str = "auto"
     calibration: Calibration = Calibration()
+    cpu_gbs: float | None = None  # host work per byte a rank sends or reduces (gloo on CPUs)
+
+    def host_ms(self, nbytes: float) -> float:
+        return 0.0 if self.cpu_gbs is None else nbytes / (self.cpu_gbs * 1e9) * 1e3
 
     @property
     def nodes(self) -> int:
@@ -211,11 +219,15 @@ def _ring_bytes(g: Group, total: float) -> tuple[float, float]:
     return total - inter, inter
 
 
-def ring_steps(cl: Cluster, g: Group, steps: int, chunk: float, kind: str) -> Cost:
+def ring_steps(cl: Cluster, g: Group, steps: int, chunk: float, kind: str,
+               reduced: float = 0.0) -> Cost:
+    """``steps`` ring steps of ``chunk`` bytes; ``reduced``: bytes this rank also sums."""
     if g.p <= 1 or steps == 0:
         return Cost(algorithm="none")
     lat, bw = _step(cl, g, chunk)
-    ms = cl.calibration.scale(kind, steps * lat, steps * bw)
+    # The host's work on one chunk overlaps the transfer of the next (pipelined ring).
+    bw = max(cl.calibration.scale(kind, 0.0, steps * bw), cl.host_ms(steps * chunk + reduced))
+    ms = cl.calibration.scale(kind, steps * lat, 0.0) + bw
     intra, inter = _ring_bytes(g, steps * chunk)
     return Cost(ms, intra, inter, "ring")
 
@@ -224,12 +236,14 @@ def all_reduce(cl: Cluster, g: Group, nbytes: float) -> Cost:
     """All-reduce of ``nbytes`` per rank: ring, tree, or the faster (``auto``)."""
     if g.p <= 1:
         return Cost(algorithm="none")
-    ring = ring_steps(cl, g, 2 * (g.p - 1), nbytes / g.p, "all_reduce")
+    ring = ring_steps(cl, g, 2 * (g.p - 1), nbytes / g.p, "all_reduce",
+                      reduced=(g.p - 1) / g.p * nbytes)
     if cl.algorithm == "ring":
         return ring
     lat, bw = _step(cl, g, nbytes)
     depth = math.ceil(math.log2(g.p))
-    ms = cl.calibration.scale("all_reduce", 2 * depth * lat, 2 * bw)
+    ms = cl.calibration.scale("all_reduce", 2 * depth * lat, 0.0) + max(
+        cl.calibration.scale("all_reduce", 0.0, 2 * bw), cl.host_ms(3 * nbytes))
     intra, inter = _ring_bytes(g, 2.0 * nbytes)
     tree = Cost(ms, intra, inter, "tree")
     if cl.algorithm == "tree" or tree.ms < ring.ms:
@@ -244,7 +258,8 @@ def all_gather(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
 
 def reduce_scatter(cl: Cluster, g: Group, nbytes: float) -> Cost:
     """Ring reduce-scatter of ``nbytes`` per rank into p shards."""
-    return ring_steps(cl, g, g.p - 1, nbytes / g.p, "reduce_scatter")
+    return ring_steps(cl, g, g.p - 1, nbytes / g.p, "reduce_scatter",
+                      reduced=(g.p - 1) / g.p * nbytes)
 
 
 def all_to_all(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
@@ -259,7 +274,9 @@ def all_to_all(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
     if inter:  # the node's NIC carries the inter bytes of its per_node ranks, of every stream
         lat = max(lat, cl.inter.alpha_ms)
         bw = max(bw, cl.inter.bytes_ms(inter * g.per_node * g.streams))
-    return Cost(cl.calibration.scale("all_to_all", lat, bw), intra, inter, "pairwise")
+    ms = cl.calibration.scale("all_to_all", lat, 0.0) + max(
+        cl.calibration.scale("all_to_all", 0.0, bw), cl.host_ms(intra + inter))
+    return Cost(ms, intra, inter, "pairwise")
 
 
 # ----------------------------------------------------------------------------- stragglers
@@ -372,6 +389,7 @@ class _Work:
     bucket_elems: int
     grad_bytes: int
     param_bytes: int
+    hier_gather: str = "aggregate"
 
 
 def _ddp_row(cl, w, name, wire_bytes):
@@ -411,13 +429,19 @@ def _dlion_row(cl, w, mode, overlap, L):
         c = dlion_exchange(cl, inter_g, s / L, tensors, mode)
         if hier:
             c = reduce_scatter(cl, intra_g, s * w.grad_bytes) + c
-            c = c + all_gather(cl, intra_g, s / L * w.param_bytes)
+            if w.hier_gather == "params":  # the updated parameter shards, storage dtype
+                c = c + all_gather(cl, intra_g, s / L * w.param_bytes)
+            else:  # the packed aggregate shards; every rank applies all of it
+                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, voters)
+                c = c + all_gather(cl, intra_g, words * WORD)
         return c
 
     memo = {s: bucket_cost(s) for s, _ in _counts(sizes)}
     costs = [memo[s] for s in sizes]
     total = sum(costs, Cost())
     local, apply = opt * LOCAL_FRACTION, opt * APPLY_FRACTION
+    if hier and w.hier_gather != "params":
+        apply = w.opt * APPLY_FRACTION
     start = w.fwd + wait
     if overlap:
         ready, acc = [], 0
@@ -433,7 +457,7 @@ def _dlion_row(cl, w, mode, overlap, L):
         step = start + w.bwd + local + exposed + apply
     name = "dlion-" + ("hier-" if hier else "") + mode + ("-overlap" if overlap else "")
     algo = costs[0].algorithm
-    return Row(name, step, w.fwd + w.bwd + opt, wait, total.ms, exposed, total.bytes,
+    return Row(name, step, w.fwd + w.bwd + local + apply, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), algo,
                {"kind": "dlion", "mode": mode, "votes": "binary", "overlap": overlap,
                 "hierarchy": L})
@@ -555,7 +579,8 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
             intra_latency_us=None, fwd_ms, bwd_ms, opt_ms=None, mem_gbs=1000.0, jitter_ms=0.0,
             jitter_dist="uniform", bucket_mb=25.0, tensors=1, grad_dtype="fp32",
             param_dtype="fp32", gossip_dtype="fp32", algorithm="auto", modes=("vote",),
-            topologies=None, strategies=None, calibration=None) -> list[Row]:
+            topologies=None, strategies=None, calibration=None, cpu_gbs=None,
+            hier_gather="aggregate") -> list[Row]:
     """Predicted step of every strategy, fastest first (see the module docstring).
 
     ``params``: parameter count (int or '124M'); ``ranks``: n; ``ranks_per_node``: L;
@@ -566,7 +591,11 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     (default: 20.5 bytes per parameter at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank
     and step, ``jitter_dist`` 'uniform' on [0, jitter] or 'normal' with that sigma;
     ``topologies``: None = every topology that fits (others are left out), or a list (one that
-    does not fit raises ValueError); ``strategies``: keep only these names.
+    does not fit raises ValueError); ``strategies``: keep only these names; ``cpu_gbs``: host
+    processing rate per rank for the bytes a collective sends or sums (None: free, as with
+    NCCL/RDMA; gloo on CPU cores shared by several ranks needs it); ``hier_gather``: what
+    hierarchical D-Lion gathers inside the node, 'aggregate' (the packed aggregate, as the
+    library does) or 'params' (the updated parameter shards).
     """
     d = parse_size(params, "params")
     n = _number(ranks, "ranks", positive=True, integer=True)
@@ -609,10 +638,14 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
             if problem:
                 raise ValueError(f"topologies: {problem}")
 
+    if cpu_gbs is not None:
+        cpu_gbs = _number(cpu_gbs, "cpu_gbs", positive=True)
     cl = Cluster(n, L, Link(intra_latency_us, intra_gbps), Link(latency_us, inter_gbps),
-                 algorithm, calibration or Calibration())
+                 algorithm, calibration or Calibration(), cpu_gbs)
+    if hier_gather not in ("aggregate", "params"):
+        raise ValueError(f"hier_gather must be 'aggregate' or 'params', got {hier_gather!r}")
     w = _Work(d, tensors, fwd_ms, bwd_ms, opt_ms, jitter_ms, jitter_dist,
-              max(1, int(bucket_mb * 1e6 / grad_bytes)), grad_bytes, param_bytes)
+              max(1, int(bucket_mb * 1e6 / grad_bytes)), grad_bytes, param_bytes, hier_gather)
 
     rows = [_ddp_row(cl, w, "allreduce-fp32", 4), _ddp_row(cl, w, "allreduce-bf16", 2)]
     for mode in modes:

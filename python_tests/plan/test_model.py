@@ -91,15 +91,19 @@ def test_all_to_all_shares_the_node_nic():
     assert c.ms == pytest.approx(4000 / 1e6)
 
 
-def test_hierarchical_hand_computed():
+@pytest.mark.parametrize("gather", ["aggregate", "params"])
+def test_hierarchical_hand_computed(gather):
     # n = 8 as 2 nodes of 4 (N = 2 voters), d = 32 * 4 * 2 * 1000: each rank's 1/L shard has
     # 2000 blocks, 1000 per voter. Intra 80 Gbit/s (10 B/ns), inter 8 Gbit/s (1 B/ns).
     d, n, L = 32 * 4 * 2 * 1000, 8, 4
     inputs = dict(inter_gbps=8.0, intra_gbps=80.0, latency_us=0.0, intra_latency_us=0.0)
     r = rows_by_name(model.predict(d, n, L, **inputs, **NO_COMPUTE, bucket_mb=1000,
-                                   topologies=[]))["dlion-hier-vote"]
+                                   topologies=[], hier_gather=gather))["dlion-hier-vote"]
     rs = (L - 1) * 4 * d / L  # reduce-scatter of fp32 gradients
-    ag = (L - 1) * 4 * d / L  # all-gather of fp32 parameter shards
+    if gather == "params":
+        ag = (L - 1) * 4 * d / L  # all-gather of fp32 parameter shards
+    else:
+        ag = (L - 1) * 2000 * 4  # all-gather of the packed aggregate: 1 bit per element
     up = down = (1000 + 1) * 4  # one message each way between the 2 voters
     assert r.intra_bytes_per_rank == pytest.approx(rs + ag)
     assert r.inter_bytes_per_rank == pytest.approx(up + down)
