@@ -235,6 +235,72 @@ def validate(rows: list[dict]) -> dict:
     return {"rows": table, "fastest": verdicts, "summary": summary}
 
 
+# ----------------------------------------------------------------------------- clusters
+
+# Clusters we cannot run here (README, "Which strategy? The runtime model"). Links per
+# direction: NVLink 900 GB/s is both directions together, 450 GB/s = 3600 Gbit/s each way.
+CLUSTERS = {
+    "4 x 8 H100": dict(ranks=32, ranks_per_node=8, intra_gbps=3600, inter_gbps=3200,
+                       intra_latency_us=3, latency_us=8, tflops=989, mem_gbs=3000),
+    "8 x 8 H100": dict(ranks=64, ranks_per_node=8, intra_gbps=3600, inter_gbps=3200,
+                       intra_latency_us=3, latency_us=8, tflops=989, mem_gbs=3000),
+    "16 x 8 H100": dict(ranks=128, ranks_per_node=8, intra_gbps=3600, inter_gbps=3200,
+                        intra_latency_us=3, latency_us=8, tflops=989, mem_gbs=3000),
+    "4 x 4 A40, 25 GbE": dict(ranks=16, ranks_per_node=4, intra_gbps=200, inter_gbps=25,
+                              intra_latency_us=10, latency_us=30, tflops=150, mem_gbs=600),
+    "32 x 1 A100, 10 GbE": dict(ranks=32, ranks_per_node=1, intra_gbps=10, inter_gbps=10,
+                                intra_latency_us=50, latency_us=50, tflops=312, mem_gbs=1400),
+}
+MODELS = {"GPT-2 124M": 124e6, "GPT-2 1.3B": 1.3e9, "7B": 7e9}
+TOKENS_PER_RANK = 8192  # tokens per GPU per step (8 x 1024)
+MFU = 0.40  # fraction of the GPU's dense bf16 peak that training reaches
+JITTER_FRACTION = 0.05  # uniform extra delay up to 5% of fwd + bwd per rank and step
+
+
+def cluster_inputs(cluster: dict, params: float) -> dict:
+    """predict() inputs: compute = 6 P T FLOPs per step at MFU of the peak (fwd 1/3, bwd 2/3);
+    optimizer 20.5 bytes per parameter at the memory bandwidth; bf16 gradients on the wire for
+    the bf16 all-reduce only (fp32 gradients and parameters otherwise)."""
+    c = dict(cluster)
+    flops = 6 * params * TOKENS_PER_RANK
+    compute_ms = flops / (c.pop("tflops") * 1e12 * MFU) * 1e3
+    return {**c, "fwd_ms": compute_ms / 3, "bwd_ms": 2 * compute_ms / 3,
+            "jitter_ms": JITTER_FRACTION * compute_ms, "jitter_dist": "uniform"}
+
+
+def clusters_table() -> tuple[list[dict], str]:
+    out = []
+    for cname, cluster in CLUSTERS.items():
+        for mname, params in MODELS.items():
+            inputs = cluster_inputs(cluster, params)
+            rows = {r.strategy: r for r in model.predict(
+                params, inputs.pop("ranks"), inputs.pop("ranks_per_node"), **inputs)}
+            best_name = model.best(list(rows.values()))
+            dec = min((r for r in rows.values() if r.strategy.startswith("decentralized")),
+                      key=lambda r: r.step_ms)
+            hier = rows.get("dlion-hier-vote-overlap")
+            out.append({
+                "cluster": cname, "model": mname, "fwd_ms": inputs["fwd_ms"],
+                "bwd_ms": inputs["bwd_ms"], "fastest": best_name,
+                "fastest_ms": rows[best_name].step_ms,
+                "allreduce_fp32_ms": rows["allreduce-fp32"].step_ms,
+                "allreduce_bf16_ms": rows["allreduce-bf16"].step_ms,
+                "dlion_overlap_ms": rows["dlion-vote-overlap"].step_ms,
+                "dlion_hier_overlap_ms": hier.step_ms if hier else None,
+                "decentralized_best": dec.strategy.replace("decentralized-", ""),
+                "decentralized_ms": dec.step_ms,
+                "speedup_vs_fp32": rows["allreduce-fp32"].step_ms / rows[best_name].step_ms})
+    text = common.markdown_table(out, [
+        ("cluster", "cluster"), ("model", "model"), ("fwd_ms", "fwd ms", ".1f"),
+        ("bwd_ms", "bwd ms", ".1f"), ("allreduce_fp32_ms", "all-reduce fp32", ".1f"),
+        ("allreduce_bf16_ms", "all-reduce bf16", ".1f"),
+        ("dlion_overlap_ms", "D-Lion overlap", ".1f"),
+        ("dlion_hier_overlap_ms", "hier. D-Lion overlap", ".1f"),
+        ("decentralized_ms", "best gossip", ".1f"), ("decentralized_best", "its topology"),
+        ("fastest", "fastest"), ("speedup_vs_fp32", "x fp32", ".2f")])
+    return out, text
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -315,11 +381,26 @@ def plot(result: dict, out_dir: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--measured", nargs="+", required=True,
+    parser.add_argument("--measured", nargs="+",
                         help="JSON files of measured steps (formats in the docstring)")
+    parser.add_argument("--clusters", action="store_true",
+                        help="print the predictions for the README's clusters instead")
     parser.add_argument("--out", default=None, help="results folder")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.clusters:
+        rows, text = clusters_table()
+        print(text)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            common.save(args.out, "clusters", rows, common.metadata({
+                "benchmark": "bench_plan --clusters", "clusters": CLUSTERS,
+                "tokens_per_rank": TOKENS_PER_RANK, "mfu": MFU,
+                "jitter_fraction": JITTER_FRACTION}))
+            common.save_text(args.out, "clusters.md", text)
+        return 0
+    if not args.measured:
+        parser.error("--measured FILE.json is required (or --clusters)")
     rows = [r for path in args.measured for r in load(path)]
     if not rows:
         parser.error("no measured rows found in " + ", ".join(args.measured))
