@@ -640,6 +640,12 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
 
     if cpu_gbs is not None:
         cpu_gbs = _number(cpu_gbs, "cpu_gbs", positive=True)
+    if isinstance(calibration, dict):  # as --measure --json prints it
+        calibration = Calibration(dict(calibration.get("lat_scale", {})),
+                                  dict(calibration.get("bw_scale", {})))
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a Calibration, a dict or None, got "
+                        f"{type(calibration).__name__}")
     cl = Cluster(n, L, Link(intra_latency_us, intra_gbps), Link(latency_us, inter_gbps),
                  algorithm, calibration or Calibration(), cpu_gbs)
     if hier_gather not in ("aggregate", "params"):
@@ -695,3 +701,19 @@ def choose_hierarchy(n, ranks_per_node, params, *, mode="vote", overlap=False, *
     rows = {r.strategy: r for r in predict(params, n, L, modes=(mode,), topologies=[],
                                            strategies=[flat, hier], **inputs)}
     return L if rows[hier].step_ms < rows[flat].step_ms else 1
+
+
+def inputs_from_json(path: str) -> dict:
+    """predict()'s keyword arguments (links, compute, calibration) from the JSON that
+    ``python -m dlion_kernels.plan --measure --json`` printed, without params, ranks and
+    ranks_per_node: e.g. ``choose_hierarchy(n, L, params, **inputs_from_json(path))``."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    inputs = dict(doc.get("inputs", {}))
+    for key in ("params", "ranks", "ranks_per_node", "modes", "topologies"):
+        inputs.pop(key, None)
+    if "measured" in doc and "calibration" in doc["measured"]:
+        inputs["calibration"] = doc["measured"]["calibration"]
+    return inputs

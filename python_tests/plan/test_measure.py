@@ -11,7 +11,7 @@ from workers import run_workers
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_measure_cli_under_torchrun_two_emulated_nodes():
+def test_measure_cli_under_torchrun_two_emulated_nodes(tmp_path):
     # 4 gloo processes as 2 nodes of 2 (one host, so --ranks-per-node says where nodes end).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "4", "-m", "dlion_kernels.plan", "--measure", "--params", "124M",
@@ -37,6 +37,15 @@ def test_measure_cli_under_torchrun_two_emulated_nodes():
     assert {"allreduce-fp32", "dlion-vote", "dlion-hier-vote", "decentralized-ring"} <= names
     assert result["best"] == result["rows"][0]["strategy"]
     assert result["inputs"]["ranks"] == 4 and result["inputs"]["fwd_ms"] == m["fwd_ms"]
+    # What DistributedLion(hierarchy="auto") would do with this measurement.
+    from dlion_kernels.plan import choose_hierarchy, inputs_from_json, predict
+
+    path = tmp_path / "measured.json"
+    path.write_text(out.stdout)
+    inputs = inputs_from_json(str(path))
+    again = predict("124M", 4, 2, **inputs)
+    assert [r.as_dict() for r in again] == result["rows"]
+    assert choose_hierarchy(4, 2, "124M", **inputs) in (1, 2)
 
 
 def _measure_with_callable(rank, n):
