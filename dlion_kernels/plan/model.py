@@ -30,14 +30,15 @@ rank, plus a random extra delay per rank and step (``jitter_ms``: uniform on [0,
 normal with sigma = jitter). A global collective waits for the slowest of n ranks, so its step
 pays E[max of n delays]; a gossip group pays E[max of its g members] (seed 2's third factor).
 
-Strategies and their overlap (B buckets of ``bucket_mb`` MB of fp32 gradients, ready at even
+Strategies and their overlap (B buckets of ``bucket_mb`` MiB of fp32 gradients, as DDP and the
+bucket engine count them, ready at even
 intervals during backward; one communication channel, buckets exchanged in order):
 
 - ``allreduce-fp32`` / ``allreduce-bf16``: DDP, one all-reduce per bucket started when the bucket
   is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
   aggregate, apply; nothing overlapped (SPEC §2 bytes, one int32 header word per message for the
-  non-finite flag that rides in the payload).
+  non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
 - ``dlion-hier-<mode>[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
@@ -65,7 +66,7 @@ COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
 WORD = 4  # bytes of a packed int32 word
 BLOCK = 32  # elements per packed word (layout.py)
-HEADER_WORDS = 1  # the non-finite flag, one word in every message of the exchange
+HEADER_WORDS = 2  # [non-finite flag, step] in every all_to_all chunk (exchange/pipeline.py)
 # Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
 # 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
 LOCAL_FRACTION = 12.125 / 20.5
@@ -321,7 +322,7 @@ def dlion_exchange(cl: Cluster, g: Group, numel: float, tensors: int, mode: str)
     blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)  # <= 31 padding bits per tensor
     shard = max(1, math.ceil(blocks / g.p))
     up = (shard * 1 + HEADER_WORDS) * WORD
-    down = (shard * aggregate_planes(mode, g.p) + HEADER_WORDS) * WORD
+    down = shard * aggregate_planes(mode, g.p) * WORD
     return all_to_all(cl, g, up) + all_gather(cl, g, down)
 
 
@@ -470,22 +471,24 @@ def topology_problem(topology: str, n: int, L: int) -> str | None:
     """Why ``topology`` cannot run on n ranks in nodes of L, or None."""
     if topology not in TOPOLOGIES:
         return f"unknown topology {topology!r}; allowed: {', '.join(TOPOLOGIES)}"
-    if n < 2:
-        return f"decentralized training needs at least 2 ranks, got {n}"
+    if n == 1:
+        return None  # the one rank is its own group: no communication
     if topology == "ring" and n % 2:
         return f"topology 'ring' needs an even number of ranks, got {n}"
     if topology == "one-peer-exp" and n & (n - 1):
         return f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}"
     if topology == "alternating-exp-ring":
         nodes = n // L
-        if nodes & (nodes - 1):
-            return (f"topology 'alternating-exp-ring' needs a power-of-two number of nodes, "
-                    f"got {nodes} nodes of {L} ranks")
+        if nodes < 2 or nodes & (nodes - 1):
+            return (f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of "
+                    f"nodes, got {nodes} nodes of {L} ranks")
     return None
 
 
 def schedule(topology: str, n: int, L: int) -> list[list[list[int]]]:
     """The groups of every step of one period of the topology (SPEC §7)."""
+    if n == 1:
+        return [[[0]]]
     if topology == "complete":
         return [[list(range(n))]]
     if topology == "ring":
@@ -497,8 +500,6 @@ def schedule(topology: str, n: int, L: int) -> list[list[list[int]]]:
                 for b in range(n.bit_length() - 1)]
     nodes = n // L  # alternating-exp-ring
     members = [list(range(a * L, (a + 1) * L)) for a in range(nodes)]
-    if nodes == 1:
-        return [[members[0]]]
     steps = []
     for b in range(nodes.bit_length() - 1):
         pairs = [(a, a ^ (1 << b)) for a in range(nodes) if a < a ^ (1 << b)]
@@ -651,7 +652,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     if hier_gather not in ("aggregate", "params"):
         raise ValueError(f"hier_gather must be 'aggregate' or 'params', got {hier_gather!r}")
     w = _Work(d, tensors, fwd_ms, bwd_ms, opt_ms, jitter_ms, jitter_dist,
-              max(1, int(bucket_mb * 1e6 / grad_bytes)), grad_bytes, param_bytes, hier_gather)
+              max(1, int(bucket_mb * 2**20 / grad_bytes)), grad_bytes, param_bytes, hier_gather)
 
     rows = [_ddp_row(cl, w, "allreduce-fp32", 4), _ddp_row(cl, w, "allreduce-bf16", 2)]
     for mode in modes:

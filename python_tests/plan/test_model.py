@@ -64,17 +64,17 @@ def test_tree_allreduce_hand_computed():
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_dlion_bytes_are_spec_section2(n):
-    # d = 32 * n * 1000 elements: n shards of 1000 words; one header word per message.
+    # d = 32 * n * 1000 elements: n shards of 1000 words; 2 header words per all_to_all chunk.
     d = 32 * n * 1000
     rows = rows_by_name(model.predict(d, n, **GB, **NO_COMPUTE, modes=("vote", "average"),
                                       bucket_mb=1000))
     vote = rows["dlion-vote"]
-    assert vote.bytes_per_rank == 2 * (n - 1) * (1000 + 1) * 4
+    assert vote.bytes_per_rank == (n - 1) * ((1000 + 2) + 1000) * 4
     spec = 2 * (n - 1) / n * d / 8
-    assert spec <= vote.bytes_per_rank <= spec + 2 * (n - 1) * 4  # padding: a word a message
+    assert spec <= vote.bytes_per_rank <= spec + 2 * (n - 1) * 4  # padding: 2 words a peer
     avg = rows["dlion-average"]
     planes = math.ceil(math.log2(n + 1))
-    assert avg.bytes_per_rank == (n - 1) * ((1000 + 1) + (planes * 1000 + 1)) * 4
+    assert avg.bytes_per_rank == (n - 1) * ((1000 + 2) + planes * 1000) * 4
     # Time at 1 byte/ns, no latency: the NIC carries every byte a rank sends.
     assert vote.comm_ms == pytest.approx(vote.bytes_per_rank / 1e6)
     assert vote.exposed_comm_ms == vote.comm_ms
@@ -104,7 +104,7 @@ def test_hierarchical_hand_computed(gather):
         ag = (L - 1) * 4 * d / L  # all-gather of fp32 parameter shards
     else:
         ag = (L - 1) * 2000 * 4  # all-gather of the packed aggregate: 1 bit per element
-    up = down = (1000 + 1) * 4  # one message each way between the 2 voters
+    up, down = (1000 + 2) * 4, 1000 * 4  # one message each way between the 2 voters
     assert r.intra_bytes_per_rank == pytest.approx(rs + ag)
     assert r.inter_bytes_per_rank == pytest.approx(up + down)
     # The L inter groups cross the node's NIC at once: L x (up + down) bytes at 1 B/ns.
@@ -135,7 +135,7 @@ def test_ddp_overlap_hides_all_but_the_last_bucket():
     # 4 buckets of 250k fp32 (1 MB) over n = 2 flat: 1 MB each = 1 ms per bucket; backward
     # 100 ms: only the last bucket is exposed. jitter 10 uniform, n = 2: wait 20/3.
     rows = rows_by_name(model.predict(1_000_000, 2, **GB, fwd_ms=50, bwd_ms=100, opt_ms=5,
-                                      jitter_ms=10, bucket_mb=1, algorithm="ring"))
+                                      jitter_ms=10, bucket_mb=1e6 / 2**20, algorithm="ring"))
     r = rows["allreduce-fp32"]
     assert r.buckets == 4
     assert r.comm_ms == pytest.approx(4.0)
@@ -268,7 +268,7 @@ OK = dict(inter_gbps=10, fwd_ms=1, bwd_ms=2)
     (dict(ranks=6, topologies=["one-peer-exp"]), "power-of-two number of ranks, got 6"),
     (dict(ranks=5, topologies=["ring"]), "'ring' needs an even number of ranks, got 5"),
     (dict(ranks=12, ranks_per_node=4, topologies=["alternating-exp-ring"]),
-     "power-of-two number of nodes, got 3 nodes of 4 ranks"),
+     "power-of-two number >= 2 of nodes, got 3 nodes of 4 ranks"),
     (dict(topologies=["star"]), "unknown topology 'star'"),
     (dict(strategies=["dlion-foo"]), r"\['dlion-foo'\] not among the strategies"),
 ])
@@ -376,3 +376,11 @@ def test_choose_strategy():
     assert row.strategy == "dlion-vote"
     assert row.options == {"kind": "dlion", "mode": "vote", "votes": "binary", "overlap": False,
                            "hierarchy": 1}
+
+
+def test_one_rank_sends_nothing():
+    rows = model.predict("124M", 1, **OK)
+    assert {r.strategy for r in rows} >= {"allreduce-fp32", "dlion-vote", "decentralized-ring"}
+    for r in rows:
+        assert r.comm_ms == 0 and r.bytes_per_rank == 0 and r.wait_ms == 0
+        assert r.step_ms == pytest.approx(r.compute_ms)
