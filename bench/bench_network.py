@@ -1,4 +1,6 @@
-"""Training steps over an emulated network: n hosts, each in its own Linux network namespace.
+"""The optimizer phase (optimizer + communication, no forward/backward) over an emulated
+network: n hosts, each in its own Linux network namespace. Whole training steps (forward +
+backward + optimizer) are ``bench_training.py``'s.
 
 Topology (``network.Topology``, one rank per namespace here; built per configuration, torn
 down after it, also on Ctrl-C / SIGTERM / errors)::
@@ -8,8 +10,8 @@ down after it, also on Ctrl-C / SIGTERM / errors)::
     ...                    |
     netns <tag>-n{n-1} ----+
 
-Every host has address 10.<A>.<B>.<k+1>/24 on its veth (a /24 drawn per run); nothing is routed anywhere else and the
-root namespace is not touched (the bridge lives in its own namespace). Each link is shaped in
+Every host has address 10.<A>.<B>.<k+1>/24 on its veth (a /24 drawn per run); nothing is
+routed anywhere else and the root namespace is not touched (the bridge lives in its own namespace). Each link is shaped in
 both directions: a ``tbf`` on the host-side veth (uplink) and one on the bridge-side veth
 (downlink), i.e. a full-duplex NIC of the given rate per host into a non-blocking switch. If
 ``--delay-ms`` > 0, ``netem`` is tried first for the one-way delay (on the uplink, tbf as its
@@ -348,7 +350,8 @@ def main(argv=None) -> int:
     else:
         met = "met" if target["step_speedup"] >= 10 else "NOT met"
         verdict = (f"1 Gbit/s, 4 ranks, {common.human_count(args.numel)} params: D-Lion "
-                   f"vote/binary step {target['step_speedup']:.1f}x faster than Lion + fp32 "
+                   f"vote/binary optimizer phase (optimizer + communication, no forward/"
+                   f"backward) {target['step_speedup']:.1f}x faster than Lion + fp32 "
                    f"all-reduce (target >= 10x: {met}); communication alone "
                    f"{target['comm_speedup']:.1f}x; projected with one core per rank "
                    f"{target['projected_speedup_1core']:.1f}x (derived)")
@@ -379,16 +382,18 @@ def main(argv=None) -> int:
         ("delay_ms", "delay ms"), ("probe_mib", "probe MiB", ".0f"),
         ("measured_gbit", "measured Gbit/s (r0->r1)", ".2f")], title="Link check"))
     md.append(common.markdown_table(summary, [
-        ("rate_gbit", "Gbit/s"), ("n", "n"), ("lion_ar_ms", "Lion+AR fp32 step ms", ".0f"),
-        ("dlion_vote_ms", "D-Lion vote step ms", ".0f"), ("step_speedup", "step speedup", ".2f"),
+        ("rate_gbit", "Gbit/s"), ("n", "n"), ("lion_ar_ms", "Lion+AR fp32 opt. phase ms", ".0f"),
+        ("dlion_vote_ms", "D-Lion vote opt. phase ms", ".0f"),
+        ("step_speedup", "opt. phase speedup", ".2f"),
         ("ar_comm_ms", "AR fp32 comm ms", ".0f"), ("vote_comm_ms", "vote comm ms", ".1f"),
         ("comm_speedup", "comm speedup", ".1f"), ("local_lion_ms", "local Lion ms (n procs)",
                                                   ".0f"),
         ("n1_lion_ms", "Lion ms (n=1)", ".0f"),
-        ("projected_speedup_1core", "projected step speedup, 1 core/rank*", ".1f")],
-        title="Summary (slowest rank, median)"))
+        ("projected_speedup_1core", "projected opt. phase speedup, 1 core/rank*", ".1f")],
+        title="Optimizer phase (optimizer + communication, no forward/backward; "
+        "slowest rank, median)"))
     md.append("\\* derived, not measured: (AR fp32 comm + Lion n=1) / (vote comm + D-Lion n=1), "
-              "the step speedup if each rank had a core of its own and compute did not "
+              "the optimizer-phase speedup if each rank had a core of its own and compute did not "
               "contend.\n")
     md.append(common.markdown_table(rows, [
         ("rate_gbit", "Gbit/s"), ("n", "n"), ("variant", "variant"), ("backend", "backend"),
@@ -409,7 +414,7 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
-    """Grouped bars: step time (slowest rank) of each variant at each (rate, n)."""
+    """Grouped bars: optimizer-phase time (slowest rank) of each variant at each (rate, n)."""
     plt = common.pyplot()
     if plt is None:
         return None
@@ -432,8 +437,9 @@ def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(r["t_max_ms"] for r in rows) / 2)  # log bars: show every bar's foot
     common.log_ms_axis(ax.yaxis)
-    ax.set_ylabel("ms per step (slowest rank, median)")
-    ax.set_title(f"bench_network: {common.human_count(numel)} fp32 parameters")
+    ax.set_ylabel("ms per optimizer phase (slowest rank, median)")
+    ax.set_title(f"bench_network, optimizer phase (no fwd/bwd): "
+                 f"{common.human_count(numel)} fp32 parameters")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(True, axis="y", which="both", alpha=0.3)
     return common.save_figure(fig, out_dir, "bench_network")

@@ -105,7 +105,8 @@ ROW_SCHEMA = {
     "fwd_ms, bwd_ms, opt_ms": "the same configuration's no_comm phases: compute without comm",
     "no_comm_ms": "no_comm's step_ms_slowest_rank in the same configuration and batch",
     "vs_no_comm": "step_ms_slowest_rank / no_comm_ms",
-    "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_dlion - T_no_comm)",
+    "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_dlion - T_no_comm) "
+                       "(T_dlion_hier for dlion_hier_overlap)",
     "ratio_vs_ddp_fp32": "DDP fp32's step_ms_slowest_rank / this one (> 1: faster than DDP)",
     "bytes_per_rank": "bytes this rank's collectives send per step (StepStats or formula)",
     "inter_node_bytes_per_rank": "of those, the bytes sent to other nodes",
@@ -465,7 +466,10 @@ def derive(rows: list[dict]) -> None:
                      vs_no_comm=r["step_ms_slowest_rank"] / nc["step_ms_slowest_rank"])
         if ddp:
             r["ratio_vs_ddp_fp32"] = ddp["step_ms_slowest_rank"] / r["step_ms_slowest_rank"]
-        if nc and dl and r["variant"] in ("dlion_overlap", "dlion_ddp_hook"):
+        if r["variant"] == "dlion_hier_overlap":
+            dl = same(r, "dlion_hier")  # hierarchical overlap against hierarchical without
+        if nc and dl and r["variant"] in ("dlion_overlap", "dlion_ddp_hook",
+                                          "dlion_hier_overlap"):
             exposed_off = dl["step_ms_slowest_rank"] - nc["step_ms_slowest_rank"]
             if exposed_off > 0:
                 r["hidden_fraction"] = 1 - (r["step_ms_slowest_rank"]
@@ -629,7 +633,7 @@ def main(argv=None) -> int:
     up_before = uptime()
     out_dir = common.results_dir("training", args.out)
     d = args.depth * (args.width * args.width + args.width)
-    print(f"bench_training: {common.human_count(d)} params ({args.depth} x Linear({args.width})"
+    print(f"bench_training: {d / 1e6:.1f}M params ({d:,}; {args.depth} x Linear({args.width})"
           f"), layouts {args.layouts}, rates {args.rates_gbit} Gbit/s -> {out_dir}\n"
           f"{up_before}", flush=True)
 
@@ -688,7 +692,7 @@ def main(argv=None) -> int:
 
 def markdown(rows, fits, meta, notes, skipped, wall, out_dir) -> str:
     md = [f"# bench_training ({meta['date']}, {meta['cpu_model']}, {meta['cpu_count']} cores, "
-          f"{meta['model']}, {common.human_count(meta['params'])} params, torch "
+          f"{meta['model']}, {meta['params'] / 1e6:.1f}M params, torch "
           f"{meta['torch']})\n", f"Command: `{meta['command']}`\n",
           f"Load: before `{meta['uptime_before']}`; after `{meta['uptime_after']}`\n"]
     main_rows = [r for r in rows if r["sweep"] == "main" and r["status"] == "ok"]
@@ -763,9 +767,15 @@ def plot(rows: list[dict], out_dir: str, d: int) -> str | None:
                         label=f"{LABELS[key]} / {LABELS[ref_key]}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        batches = sorted({r["batch"] for r in here})
+        ax.set_xticks(batches)
+        ax.set_xticklabels([str(b) for b in batches])
+        ax.minorticks_off()
+        common.log_ms_axis(ax.yaxis)
         ax.set_xlabel("batch per rank")
         ax.set_ylabel("whole-step time ratio (>1: D-Lion faster)")
-        ax.set_title(f"{rate:g} Gbit/s, n = {ns[0]}, {common.human_count(d)} params")
+        ax.set_title(f"{rate:g} Gbit/s, n = {ns[0]}, {d / 1e6:.1f}M params")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     return common.save_figure(fig, out_dir, "bench_training")
