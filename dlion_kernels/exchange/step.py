@@ -2,7 +2,8 @@
 
 Per step, for one flat bucket of all tensors (block layout of ``layout.py``):
 
-    local step -> packed votes -> all_to_all_single -> tally of the owned shard
+    header all-gather (non-finite flag, step number; header.py) -> local step -> packed votes
+               -> all_to_all_single -> tally of the owned shard
                -> all_gather_into_tensor of the packed aggregate -> apply
 
 Rank r owns shard r of the (zero-padded) vote vector: it receives every rank's votes for that
@@ -25,6 +26,7 @@ from .checks import (
     check_options,
     check_tensors,
 )
+from .header import HEADER_WORDS, decide, make_header
 
 _WORD_BYTES = 4
 _auto_step = itertools.count()
@@ -94,16 +96,25 @@ def _check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
 
 
-def _any_nonfinite(kernels, grads, device, group, n) -> tuple[bool, int]:
-    """Whether any rank has an inf/NaN gradient, and the bytes this rank sent to find out."""
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    for part in _by_dtype([(g,) for g in grads if g is not None and g.numel() > 0]):
-        flag |= kernels.nonfinite([g for (g,) in part])
+def _exchange_header(kernels, grads, device, group, n, step, found_inf) -> tuple[bool, int]:
+    """Whether any rank has an inf/NaN gradient, and the bytes this rank sent to find out.
+
+    Every rank all-gathers its header (header.py: flags and step), so all take the same decision
+    and ranks on different steps raise alike. ``found_inf`` (a tensor, nonzero = overflow) is a
+    check the caller already made on every gradient, e.g. GradScaler's unscale; then the
+    gradients are not scanned again."""
+    if found_inf is not None:
+        flag = (found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
+    else:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        for part in _by_dtype([(g,) for g in grads if g is not None and g.numel() > 0]):
+            flag |= kernels.nonfinite([g for (g,) in part])
+    mine = make_header(flag, step)
     if n == 1:
-        return bool(flag.item()), 0
-    flags = torch.empty(n, dtype=torch.int32, device=device)
-    _all_gather(flags, flag, group)  # every rank takes the same decision
-    return bool(flags.any().item()), (n - 1) * _WORD_BYTES
+        return decide(mine), 0
+    headers = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=device)
+    _all_gather(headers, mine, group)
+    return decide(headers), (n - 1) * HEADER_WORDS * _WORD_BYTES
 
 
 def _by_dtype(items):
@@ -118,8 +129,13 @@ def _by_dtype(items):
     return list(groups.values())
 
 
-def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepStats:
-    """The step for already-validated segments: one exchange for all of them."""
+def run_step(segments, *, mode, votes, group, backend, step, nonfinite, found_inf=None
+             ) -> StepStats:
+    """The step for already-validated segments: one exchange for all of them.
+
+    found_inf: None, or a one-element tensor from a check the caller made on every gradient
+    (GradScaler): nonzero on any rank skips the step on every rank, whatever ``nonfinite`` says.
+    """
     tensors = [t for s in segments for t in s.params]
     numel = sum(t.numel() for t in tensors)
     group, n = _resolve_group(group)
@@ -155,9 +171,10 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         work.append((s, rows))
 
     grads = [g for _, rows in work for _, g, _, _ in rows]
-    nonfinite_found, flag_bytes = _any_nonfinite(kernels, grads, device, group, n)
+    nonfinite_found, flag_bytes = _exchange_header(kernels, grads, device, group, n, step,
+                                                   found_inf)
     if nonfinite_found:
-        if nonfinite == "raise":
+        if nonfinite == "raise" and found_inf is None:
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
                 "rank (pass nonfinite='skip' to skip such steps instead)"
@@ -221,7 +238,8 @@ def fused_dlion_step(
         rank of the group must call with the same tensor shapes in the same order.
     backend: None (auto, or $DLION_BACKEND) | "cuda" | "triton" | "cpu" | "torch".
     step: step counter for the even-n binary tie rule (layout.py); None counts calls in this
-        process, which agrees across ranks as long as every rank makes the same calls.
+        process, which agrees across ranks as long as every rank makes the same calls. Ranks on
+        different steps raise ``StepMismatchError`` on every rank (header.py).
     nonfinite: "raise" (default) raises NonFiniteGradientError on every rank when any rank has an
         inf/NaN gradient; "skip" skips the step on every rank. Either way nothing is modified.
     Returns StepStats with the bytes this rank sent and received.

@@ -10,10 +10,34 @@ from ..exchange.checks import (
     check_params,
     check_tensors,
 )
+from ..exchange.copying import Copyable, attached_group
 from ..exchange.step import Segment, StepStats, run_step
+from . import amp
+
+# torch.optim's implementation flags: (value allowed, why the others are not)
+_FLAGS = {
+    "foreach": (None, True, False),  # accepted: every backend is multi-tensor fused anyway
+    "fused": (None, True, False),
+    "capturable": (None, False),  # the step reads the ranks' header on the host
+    "differentiable": (None, False),  # sign votes have no useful derivative
+}
 
 
-class DistributedLion(torch.optim.Optimizer):
+def _check_flags(flags: dict) -> None:
+    for name, value in flags.items():
+        allowed = _FLAGS[name]
+        if value not in allowed or (value is not None and not isinstance(value, bool)):
+            why = {
+                "capturable": "the step reads every rank's header on the host (a collective "
+                "decision), so it cannot be captured in a CUDA graph",
+                "differentiable": "the update is a sign vote, which has no useful derivative",
+            }.get(name, "")
+            raise ValueError(
+                f"{name} must be one of {allowed}, got {value!r}" + (f": {why}" if why else "")
+            )
+
+
+class DistributedLion(Copyable, torch.optim.Optimizer):
     """Distributed Lion (Liu et al., 2024): every rank votes with the sign of its Lion update and
     all ranks apply the same aggregated update, so parameters stay bit-identical.
 
@@ -25,7 +49,27 @@ class DistributedLion(torch.optim.Optimizer):
     Every parameter with ``requires_grad`` takes part in every step on every rank; a ``None``
     gradient counts as zero (the parameter still moves by its momentum's vote and weight decay).
     ``last_stats`` holds the ``StepStats`` of the latest step.
+
+    Ranks on different steps (e.g. one rank resumed from another checkpoint) raise
+    ``StepMismatchError`` on every rank, naming both step numbers; nothing is modified.
+
+    AMP: ``torch.amp.GradScaler`` works as with any optimizer (``scaler.step(opt)``,
+    ``scaler.update()``). ``scaler.step`` calls ``step`` on every rank; the gradients are unscaled
+    here, the overflow decision is taken for all ranks at once in the exchange (an overflow on
+    any rank skips the step on every rank, whatever ``nonfinite`` says), and every rank's scaler
+    sees that global decision, so the scales stay identical (see ``optim/amp.py``).
+
+    Copies: ``copy.deepcopy``, ``pickle`` and ``torch.save``/``torch.load`` keep every option and
+    ``last_stats``; the copy steps like the original. A deepcopy keeps the same process group.
+    A pickled copy keeps ``group=None`` or the default group (looked up again on use); an
+    explicit other group cannot be pickled: the copy raises a clear error on its first step until
+    you assign the group again (``opt.group = my_group``). Hooks are not copied (as in torch).
+
+    ``foreach`` and ``fused`` are accepted and change nothing (every backend runs fused
+    multi-tensor kernels); ``capturable=True`` and ``differentiable=True`` raise ``ValueError``.
     """
+
+    _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
 
     def __init__(
         self,
@@ -39,25 +83,39 @@ class DistributedLion(torch.optim.Optimizer):
         group=None,
         backend: str | None = None,
         nonfinite: str = "raise",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool | None = None,
+        differentiable: bool | None = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         check_options(mode, votes, backend, nonfinite)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
+                          differentiable=differentiable))
+        # differentiable=False as torch's __setstate__ would add it: a copy's defaults are equal
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      differentiable=False))
         self.mode, self.votes, self.group = mode, votes, group
         self.backend, self.nonfinite = backend, nonfinite
         self.last_stats: StepStats | None = None
 
     def add_param_group(self, param_group: dict) -> None:
+        """Also after construction: the new parameters get their state on their first step."""
         super().add_param_group(param_group)
-        params = self.param_groups[-1]["params"]
+        group = self.param_groups[-1]
         try:
-            check_params(params)
+            check_params(group["params"])
+            check_hyperparameters(group["lr"], group["betas"], group["weight_decay"])
+            _check_flags({k: group[k] for k in _FLAGS if k in group})
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scaler=None):
+        """One step on every rank. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step``
+        (never pass it yourself)."""
+        group = attached_group(self.group, self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -79,8 +137,12 @@ class DistributedLion(torch.optim.Optimizer):
         check_tensors(*(sum((getattr(s, k) for s in segments), []) for k in
                         ("params", "grads", "exp_avgs")))
         step = max((state["step"] for state in states), default=0)
-        self.last_stats = run_step(segments, mode=self.mode, votes=self.votes, group=self.group,
-                                   backend=self.backend, step=step, nonfinite=self.nonfinite)
+        device = next((p.device for s in segments for p in s.params), torch.device("cpu"))
+        found_inf = amp.before_exchange(self, grad_scaler, device)
+        self.last_stats = run_step(segments, mode=self.mode, votes=self.votes, group=group,
+                                   backend=self.backend, step=step, nonfinite=self.nonfinite,
+                                   found_inf=found_inf)
+        amp.after_exchange(self, grad_scaler, self.last_stats.skipped)
         if not self.last_stats.skipped:
             for state in states:
                 state["step"] = step + 1
