@@ -92,7 +92,8 @@ class Copyable:
     """Mixin: public attributes (the options) survive deepcopy, pickle and torch.save."""
 
     def __getstate__(self):
-        state = dict(super().__getstate__())
+        parent = getattr(super(), "__getstate__", None)  # object has none before Python 3.11
+        state = dict(parent() if parent is not None else vars(self))
         for name, value in vars(self).items():
             if not name.startswith("_") and name not in state:
                 state[name] = value

@@ -14,7 +14,7 @@ from ..exchange.copying import Copyable, attached_group
 from ..exchange.step import Segment, StepStats, run_step
 from . import amp
 
-# torch.optim's implementation flags: (value allowed, why the others are not)
+# torch.optim's implementation flags and the values accepted
 _FLAGS = {
     "foreach": (None, True, False),  # accepted: every backend is multi-tensor fused anyway
     "fused": (None, True, False),

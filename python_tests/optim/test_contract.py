@@ -18,6 +18,7 @@ import torch.distributed as dist
 from workers import run_workers
 
 import dlion_kernels as dk
+from dlion_kernels.exchange.copying import Copyable, attached_group
 
 # name -> factory(params, lr) ; others append theirs (AccumAdamW, AccumLion, ...).
 OPTIMIZERS = {
@@ -271,9 +272,26 @@ def test_implementation_flags():
     assert len(opt.param_groups) == 1
 
 
+class _Wrapper(Copyable, torch.nn.Module):
+    """A module wrapper (as DecentralizedDataParallel) holding a group and an option."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.group, self.topology = group, "ring"
+
+
 def _distributed_worker(rank, n):
     out = {}
     sub = dist.new_group(list(range(n)))  # an explicit group that is not the default one
+    wrapper = _Wrapper(sub)
+    assert copy.deepcopy(wrapper).group is sub
+    restored = _copy(wrapper, "pickle")
+    assert restored.topology == "ring" and isinstance(restored.group, dk.DetachedGroup)
+    assert torch.equal(restored.inner.weight, wrapper.inner.weight)
+    with pytest.raises(RuntimeError, match="_Wrapper .*ranks \\[0, 1\\]"):
+        attached_group(restored.group, restored)
+    assert _copy(_Wrapper(dist.group.WORLD), "pickle").group is None
     for label, group in (("default", None), ("subgroup", sub)):
         model = _model()
         opt = dk.DistributedLion(model.parameters(), lr=1e-2, group=group, backend="torch")
