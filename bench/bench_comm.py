@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     notes = [
         "times: median over reps; t_rank0 = rank 0's time, t_max = the slowest rank's time per "
         "rep, each rep started by a barrier on every rank",
-        "bytes_sent: StepStats.bytes_sent (includes the 4-byte non-finite flag all-gather per "
+        "bytes_sent: StepStats.bytes_sent (includes the 8-byte step header all-gather per "
         "peer); all_reduce bytes are the ring formula 2(n-1)/n * elem_bytes * d",
         "comm_*: the step's all_to_all_single + all_gather_into_tensor alone, packed sizes",
         "loopback on a 2-core host: n processes share 2 cores, so compute contends with "

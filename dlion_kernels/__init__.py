@@ -8,13 +8,16 @@ Floors (each imports only from the floors below it):
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
-from .exchange.step import NonFiniteGradientError, StepMismatchError, StepStats, fused_dlion_step
+from .exchange.copying import DetachedGroup
+from .exchange.header import StepMismatchError
+from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
 from .kernels.backends import BackendUnavailable, available_backends
 from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
 
 __all__ = [
     "BackendUnavailable",
+    "DetachedGroup",
     "DistributedLion",
     "NonFiniteGradientError",
     "StepMismatchError",

@@ -10,10 +10,10 @@ Per bucket (its own block space, ``buckets.py``; n ranks, rank r owns shard r of
     finish:  wait for the gathers -> one skip decision for all buckets -> apply
              (params and momentum; nothing at all when skipped)
 
-The header is two int32 words, ``[non-finite flag, step]``, copied into every chunk of the
-all_to_all payload. So after the first collective every rank holds every rank's flag and step
-for this bucket: all ranks take the same skip/raise decision, and ranks on different steps
-raise an error naming both steps instead of mixing steps. There is no third collective; the
+The header is the step header of ``header.py`` (two int32 words, ``[flags, step]``), copied
+into every chunk of the all_to_all payload. So after the first collective every rank holds
+every rank's flags and step for this bucket: all ranks take the same skip/raise decision, and
+ranks on different steps raise ``StepMismatchError`` instead of mixing steps. There is no third collective; the
 header costs 8 bytes per peer per bucket. Momentum is written only by ``apply`` (kernel stages
 v2), which takes the skip flag as a device tensor, so a non-finite gradient on any rank leaves
 every parameter and momentum of every rank unchanged even though the votes of earlier buckets
@@ -49,17 +49,13 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import aggregate_planes, shard_blocks, vote_planes
+from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
 _WORD_BYTES = 4
-HEADER_WORDS = 2  # [non-finite flag, step]
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held inf or NaN on some rank; no rank changed anything."""
-
-
-class StepMismatchError(RuntimeError):
-    """Ranks called the exchange at different step numbers; no rank changed anything."""
 
 
 @dataclass(frozen=True)
@@ -231,8 +227,11 @@ class _BucketWork:
         rows = [r for r in self.rows if r.param.numel() > 0]  # empty tensors own no block
         device = ex.device
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        for part in by_dtype([(r.grad,) for r in rows if r.grad is not None]):
-            flag |= ex.stages.nonfinite([g for (g,) in part])
+        if ex.found_inf is None:
+            for part in by_dtype([(r.grad,) for r in rows if r.grad is not None]):
+                flag |= ex.stages.nonfinite([g for (g,) in part])
+        elif not ex.works:  # the caller's check covers every gradient: flag it once
+            flag = (ex.found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
         votes = torch.zeros(n * shard * ex.p_in, dtype=torch.int32, device=device)
         for seg_rows in _by_segment(rows):
             beta1 = seg_rows[0].segment.beta1
@@ -241,8 +240,7 @@ class _BucketWork:
                 ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
-        self.send[:, 0] = flag
-        self.send[:, 1] = ex.step
+        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step)
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
         if n == 1:
             self.received = self.send
@@ -307,7 +305,7 @@ class Exchange:
     """
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
-                 streams: Streams | None = None):
+                 found_inf=None, streams: Streams | None = None):
         self.group, self.n = resolve_group(group)
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
@@ -317,6 +315,7 @@ class Exchange:
         self.ternary = votes == "ternary"
         self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)
         self.step = int(step)
+        self.found_inf = found_inf  # GradScaler's overflow check replaces the scan (header.py)
         self.streams = streams if streams is not None else Streams(self.device)
         self.works: list[_BucketWork] = []
         self.reduced = 0
@@ -351,6 +350,14 @@ class Exchange:
             self.works[self.reduced].reduce()
             self.reduced += 1
 
+    def abandon(self) -> None:
+        """Issue and wait for the rest of this step's collectives (so every rank's sequence
+        stays matched) and apply nothing."""
+        with self.streams.on_side():
+            self._reduce_upto(len(self.works))
+            for w in self.works:
+                w.wait()
+
     def finish(self) -> StepStats:
         with self.streams.on_side():
             self._reduce_upto(len(self.works))
@@ -363,23 +370,19 @@ class Exchange:
                                       device=self.device)
             # One device flag for all buckets: any rank's non-finite gradient, or a rank at
             # another step, skips every apply of every rank.
-            skip = (headers[..., 0].amax() | (headers[..., 1] != self.step).any()).view(1) \
+            skip = ((headers[..., 0] & NONFINITE).amax()
+                    | (headers[..., 1] != headers[0, 0, 1]).any()).view(1) \
                 if self.works else None
         self.streams.current_waits_side()
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
             w.apply(skip)
         headers = headers.cpu()  # the one host read per step, after the applies are issued
-        steps, flags = headers[..., 1], headers[..., 0]
         numel = sum(w.numel for w in self.works)
-        if bool((steps != self.step).any()):
-            others = sorted({int(s) for s in steps.flatten().tolist()} - {self.step})
-            raise StepMismatchError(
-                f"ranks are at different steps: this rank is at step {self.step}, another at "
-                f"step {others[0]}; every rank must call step() (and backward()) the same number "
-                "of times; nothing was updated on any rank")
-        skipped = bool(flags.any())
-        if skipped and self.nonfinite == "raise":
+        skipped = False
+        for bucket_headers in headers:  # raises StepMismatchError alike on every rank
+            skipped |= decide(bucket_headers)
+        if skipped and self.nonfinite == "raise" and self.found_inf is None:
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
                 "rank (pass nonfinite='skip' to skip such steps instead)")
@@ -390,13 +393,13 @@ class Exchange:
 
 
 def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
-                streams=None) -> StepStats:
+                found_inf=None, streams=None) -> StepStats:
     """One step of already-validated ``segments`` exchanged as ``buckets``: a list of
     ``(blocks, [(segment index, tensor index, block offset), ...])``."""
     tensors = [t for s in segments for t in s.params]
     device = tensors[0].device if tensors else torch.device("cpu")
     ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
-                  nonfinite=nonfinite, streams=streams)
+                  nonfinite=nonfinite, found_inf=found_inf, streams=streams)
     for blocks, entries in buckets:
         rows = []
         for s, i, off in entries:

@@ -23,10 +23,10 @@ from .checks import (
     check_options,
     check_tensors,
 )
+from .header import StepMismatchError  # noqa: F401  (re-exported)
 from .pipeline import (  # noqa: F401  (re-exported)
     NonFiniteGradientError,
     Segment,
-    StepMismatchError,
     StepStats,
     run_buckets,
 )
@@ -34,17 +34,22 @@ from .pipeline import (  # noqa: F401  (re-exported)
 _auto_step = itertools.count()
 
 
-def run_step(segments, *, mode, votes, group, backend, step, nonfinite,
+def run_step(segments, *, mode, votes, group, backend, step, nonfinite, found_inf=None,
              streams=None) -> StepStats:
     """The step for already-validated segments: one bucket holding all of them (the same
-    two-collective protocol as the overlapped buckets, ``pipeline.py``)."""
+    two-collective protocol as the overlapped buckets, ``pipeline.py``).
+
+    found_inf: None, or a one-element tensor from a check the caller made on every gradient
+    (GradScaler): nonzero on any rank skips the step on every rank, whatever ``nonfinite`` says.
+    """
     if step is None:
         step = next(_auto_step)
     sizes = [(s, i, t.numel()) for s, seg in enumerate(segments) for i, t in enumerate(seg.params)]
     offsets, total = block_offsets(numel for _, _, numel in sizes)
     entries = [(s, i, off) for (s, i, _), off in zip(sizes, offsets)]
     return run_buckets(segments, [(total, entries)], mode=mode, votes=votes, group=group,
-                       backend=backend, step=step, nonfinite=nonfinite, streams=streams)
+                       backend=backend, step=step, nonfinite=nonfinite, found_inf=found_inf,
+                       streams=streams)
 
 
 @torch.no_grad()
@@ -73,7 +78,8 @@ def fused_dlion_step(
         rank of the group must call with the same tensor shapes in the same order.
     backend: None (auto, or $DLION_BACKEND) | "cuda" | "triton" | "cpu" | "torch".
     step: step counter for the even-n binary tie rule (layout.py); None counts calls in this
-        process, which agrees across ranks as long as every rank makes the same calls.
+        process, which agrees across ranks as long as every rank makes the same calls. Ranks on
+        different steps raise ``StepMismatchError`` on every rank (header.py).
     nonfinite: "raise" (default) raises NonFiniteGradientError on every rank when any rank has an
         inf/NaN gradient; "skip" skips the step on every rank. Either way nothing is modified.
     Returns StepStats with the bytes this rank sent and received.

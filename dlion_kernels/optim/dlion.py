@@ -13,11 +13,35 @@ from ..exchange.checks import (
     check_params,
     check_tensors,
 )
+from ..exchange.copying import Copyable, attached_group
 from ..exchange.pipeline import Exchange, Segment, StepStats, Streams
 from ..kernels.layout import block_offsets
+from . import amp
+
+# torch.optim's implementation flags and the values accepted
+_FLAGS = {
+    "foreach": (None, True, False),  # accepted: every backend is multi-tensor fused anyway
+    "fused": (None, True, False),
+    "capturable": (None, False),  # the step reads the ranks' header on the host
+    "differentiable": (None, False),  # sign votes have no useful derivative
+}
 
 
-class DistributedLion(torch.optim.Optimizer):
+def _check_flags(flags: dict) -> None:
+    for name, value in flags.items():
+        allowed = _FLAGS[name]
+        if value not in allowed or (value is not None and not isinstance(value, bool)):
+            why = {
+                "capturable": "the step reads every rank's header on the host (a collective "
+                "decision), so it cannot be captured in a CUDA graph",
+                "differentiable": "the update is a sign vote, which has no useful derivative",
+            }.get(name, "")
+            raise ValueError(
+                f"{name} must be one of {allowed}, got {value!r}" + (f": {why}" if why else "")
+            )
+
+
+class DistributedLion(Copyable, torch.optim.Optimizer):
     """Distributed Lion (Liu et al., 2024): every rank votes with the sign of its Lion update and
     all ranks apply the same aggregated update, so parameters stay bit-identical.
 
@@ -36,7 +60,30 @@ class DistributedLion(torch.optim.Optimizer):
     bit-identical to ``overlap=False``. Use ``no_sync()`` for every micro-batch but the last
     when accumulating gradients, and do not change gradients between ``backward()`` and
     ``step()`` (the votes were taken during backward).
+    Overlap with AMP: the votes are taken during backward, so fp16 ``GradScaler`` (scaled
+    gradients) cannot be combined with ``overlap=True`` or the DDP comm hook and raises
+    ``ValueError`` at ``step()``; bf16 autocast needs no scaler and works.
+
+    Ranks on different steps (e.g. one rank resumed from another checkpoint) raise
+    ``StepMismatchError`` on every rank, naming both step numbers; nothing is modified.
+
+    AMP: ``torch.amp.GradScaler`` works as with any optimizer (``scaler.step(opt)``,
+    ``scaler.update()``). ``scaler.step`` calls ``step`` on every rank; the gradients are unscaled
+    here, the overflow decision is taken for all ranks at once in the exchange (an overflow on
+    any rank skips the step on every rank, whatever ``nonfinite`` says), and every rank's scaler
+    sees that global decision, so the scales stay identical (see ``optim/amp.py``).
+
+    Copies: ``copy.deepcopy``, ``pickle`` and ``torch.save``/``torch.load`` keep every option and
+    ``last_stats``; the copy steps like the original. A deepcopy keeps the same process group.
+    A pickled copy keeps ``group=None`` or the default group (looked up again on use); an
+    explicit other group cannot be pickled: the copy raises a clear error on its first step until
+    you assign the group again (``opt.group = my_group``). Hooks are not copied (as in torch).
+
+    ``foreach`` and ``fused`` are accepted and change nothing (every backend runs fused
+    multi-tensor kernels); ``capturable=True`` and ``differentiable=True`` raise ``ValueError``.
     """
+
+    _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
 
     def __init__(
         self,
@@ -52,31 +99,51 @@ class DistributedLion(torch.optim.Optimizer):
         nonfinite: str = "raise",
         overlap: bool = False,
         bucket_mb: float = 25.0,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool | None = None,
+        differentiable: bool | None = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         check_options(mode, votes, backend, nonfinite)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
         check_bucket_mb(bucket_mb)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
+                          differentiable=differentiable))
+        # differentiable=False as torch's __setstate__ would add it: a copy's defaults are equal
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      differentiable=False))
         self.mode, self.votes, self.group = mode, votes, group
         self.backend, self.nonfinite = backend, nonfinite
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
         self.last_stats: StepStats | None = None
+        self._runtime()
+        if overlap:
+            self._build_engine()
+
+    def _runtime(self) -> None:
+        """The private runtime state (exchanges in flight, hooks, streams). Copies (deepcopy,
+        pickle) carry none of it (``Copyable``): it starts empty, and a copy with
+        ``overlap=True`` gets its hooks at its first ``step()``."""
+        if "_exchanged" in vars(self):
+            return
         self._exchange: Exchange | None = None  # this step's exchange, once a bucket started
         self._exchanged: set[int] = set()        # ids of the params exchanged this step
         self._segments: list[Segment] | None = None
         self._streams: Streams | None = None
         self._engine: BucketEngine | None = None
         self._ddp_hooked = False
-        if overlap:
-            self._build_engine()
+        self._found_inf = None
 
     def add_param_group(self, param_group: dict) -> None:
+        """Also after construction: the new parameters get their state on their first step."""
         super().add_param_group(param_group)
-        params = self.param_groups[-1]["params"]
+        group = self.param_groups[-1]
         try:
-            check_params(params)
+            check_params(group["params"])
+            check_hyperparameters(group["lr"], group["betas"], group["weight_decay"])
+            _check_flags({k: group[k] for k in _FLAGS if k in group})
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -89,19 +156,38 @@ class DistributedLion(torch.optim.Optimizer):
         if self._engine is not None:
             self._engine.remove()
         params = [p for g in self.param_groups for p in g["params"]]
-        self._engine = BucketEngine(params, bucket_mb=self.bucket_mb, group=self.group,
+        self._engine = BucketEngine(params, bucket_mb=self.bucket_mb,
+                                    group=attached_group(self.group, self),
                                     on_ready=lambda bucket: self._exchange_bucket(bucket.params))
+
+    def _refuse_scaler(self, grad_scaler) -> None:
+        scaled = (grad_scaler is not None and grad_scaler.is_enabled()) or any(
+            getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
+        if not scaled:
+            return
+        # Finish this step's collectives (the same on every rank) and drop them: nothing moves.
+        if self._engine is not None:
+            self._engine.flush()
+        if self._exchange is not None:
+            self._exchange.abandon()
+            self._exchange = None
+        raise ValueError(
+            "fp16 GradScaler cannot be combined with overlap=True or the DDP comm hook: the votes "
+            "are taken during backward, from still-scaled gradients. Use overlap=False without "
+            "the hook, or bf16 autocast (no scaler); nothing was updated")
 
     def no_sync(self):
         """Inside it, ``backward()`` only accumulates gradients; nothing is exchanged. For
         gradient accumulation with ``overlap=True``: every micro-batch but the last. With
         ``overlap=False`` (nothing is exchanged during backward anyway) it does nothing."""
+        self._runtime()
         if self._engine is None:
             return contextlib.nullcontext()
         return self._engine.no_sync()
 
     def _start_step(self) -> Exchange:
         """The exchange of this step, created when its first bucket starts."""
+        self._runtime()
         if self._exchange is None:
             self._segments = []
             for g in self.param_groups:
@@ -114,8 +200,9 @@ class DistributedLion(torch.optim.Optimizer):
             if self._streams is None or self._streams.device != device:
                 self._streams = Streams(device)
             self._exchange = Exchange(device=device, mode=self.mode, votes=self.votes,
-                                      group=self.group, backend=self.backend, step=step,
-                                      nonfinite=self.nonfinite, streams=self._streams)
+                                      group=attached_group(self.group, self),
+                                      backend=self.backend, step=step, nonfinite=self.nonfinite,
+                                      found_inf=self._found_inf, streams=self._streams)
             self._exchanged = set()
         return self._exchange
 
@@ -146,23 +233,40 @@ class DistributedLion(torch.optim.Optimizer):
         return {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scaler=None):
+        """One step on every rank. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step``
+        (never pass it yourself)."""
+        attached_group(self.group, self)
+        self._runtime()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._engine is not None:
-            self._engine.flush()  # buckets never made ready this step (unused parameters)
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        rest = [p for p in params if id(p) not in self._exchanged] if self._exchange else params
-        if rest or self._exchange is None:
-            self._exchange_bucket(rest)  # without overlap: the whole step is this one bucket
-        ex, self._exchange = self._exchange, None
-        for seg, g in zip(self._segments, self.param_groups):
-            # lr, beta2 and weight_decay are applied now (a scheduler may have changed them)
-            _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-            seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
-        self.last_stats = ex.finish()
+        device = next((p.device for g in self.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        if self._engine is not None or self._ddp_hooked:
+            self._refuse_scaler(grad_scaler)
+        self._found_inf = amp.before_exchange(self, grad_scaler, device)
+        try:
+            if self._engine is not None:
+                self._engine.flush()  # buckets never made ready this step (unused parameters)
+            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
+                else params
+            if rest or self._exchange is None:
+                self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
+            ex, self._exchange = self._exchange, None
+            for seg, g in zip(self._segments, self.param_groups):
+                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
+                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            self.last_stats = ex.finish()
+        finally:
+            self._found_inf = None
+            self._exchange = None
+            if self.overlap and self._engine is None and not self._ddp_hooked:
+                self._build_engine()  # a copy's hooks (the next backward records the order)
+        amp.after_exchange(self, grad_scaler, self.last_stats.skipped)
         if not self.last_stats.skipped:
             for p in params:
                 self.state[p]["step"] = ex.step + 1

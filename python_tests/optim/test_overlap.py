@@ -220,6 +220,21 @@ def _bad_use_worker(rank, n):
     assert all(torch.equal(m, opt.state[p]["exp_avg"]) for p, m in moms.items())
     assert all(s["step"] == 2 for s in opt.state.values())
 
+    # fp16 GradScaler with overlap: the votes were taken from scaled gradients -> a clear error
+    # on every rank, nothing modified, and the next step works
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss()).backward()
+    params = [p.detach().clone() for p in net.parameters()]
+    moms = {p: s["exp_avg"].clone() for p, s in opt.state.items()}
+    expect(ValueError, "GradScaler", lambda: scaler.step(opt))
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters()))
+    assert all(torch.equal(m, opt.state[p]["exp_avg"]) for p, m in moms.items())
+    opt.zero_grad()
+    loss().backward()
+    opt.step()
+    assert all(s["step"] == 3 for s in opt.state.values())
+
     params = list(net.parameters())
     expect(TypeError, "overlap", lambda: dk.DistributedLion(params, overlap="yes"))
     expect(ValueError, "bucket_mb", lambda: dk.DistributedLion(params, overlap=True,
@@ -240,4 +255,4 @@ def _bad_use_worker(rank, n):
 @pytest.mark.parametrize("n", [1, 2])
 def test_bad_uses_raise_and_modify_nothing(n):
     for errors in run_workers(n, _bad_use_worker):
-        assert len(errors) == 12
+        assert len(errors) == 13
