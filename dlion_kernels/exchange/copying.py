@@ -4,7 +4,9 @@ library's optimizers and wrappers (shared by every front end of floor 3).
 ``torch.optim.Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``,
 so options set in ``__init__`` (``mode``, ``votes``, ...) would be lost. ``Copyable`` keeps them:
 
-- every *public* attribute (no leading underscore) is an option and travels with the copy;
+- every *public* attribute (no leading underscore) is an option and travels with the copy,
+  except one that shadows a class attribute (an LR scheduler patches ``opt.step`` with a wrapper
+  bound to the original: a copy must keep its own method);
 - *private* attributes are runtime state (hooks, buckets, streams, caches): an ``Optimizer``
   copy does not carry them, so the class must rebuild them lazily on first use;
 - a process group cannot be pickled. ``copy.deepcopy`` keeps the same group object (a copy in
@@ -95,7 +97,9 @@ class Copyable:
         parent = getattr(super(), "__getstate__", None)  # object has none before Python 3.11
         state = dict(parent() if parent is not None else vars(self))
         for name, value in vars(self).items():
-            if not name.startswith("_") and name not in state:
+            # A public instance attribute that shadows the class (an LR scheduler's or
+            # Accelerate's wrapper around ``step``, bound to *this* object) is not an option.
+            if not name.startswith("_") and name not in state and not hasattr(type(self), name):
                 state[name] = value
         return export_state(state)
 

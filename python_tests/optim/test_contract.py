@@ -209,6 +209,7 @@ def test_lr_schedulers(name):
 def test_copies_of_model_and_optimizer_step_identically(name, how):
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # it wraps opt.step on the instance
     _train(model, opt, 2)
     twin, twin_opt = _copy((model, opt), how)
     _train(model, opt, 3, start=2)
