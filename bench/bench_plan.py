@@ -1,6 +1,8 @@
 """Validation of the runtime model: predicted against measured step times.
 
-    python bench/bench_plan.py --measured FILE.json [FILE2.json ...] [--out DIR] [--no-plot]
+    python bench/bench_plan.py --measured FILE.json [FILE2.json ...] [--calibrate FILE.json]
+        [--compute no-comm|own-forward] [--out DIR] [--no-plot]
+    python bench/bench_plan.py --clusters [--out DIR]     # the README's cluster predictions
 
 Reads measured step times, predicts each with ``dlion_kernels.plan.predict`` from the inputs
 the measurement states, and writes ``bench/results/plan-<timestamp>/`` (or ``--out``):
@@ -102,14 +104,18 @@ TRAINING_STRATEGY = {  # bench_training variant -> predict() strategy (None: not
 LOOPBACK_GBPS = 40.0  # intra-node (a namespace's loopback); the host rate bounds it anyway
 
 
-def from_training(doc: dict) -> list[dict]:
+def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     """bench_training.json (ROW_SCHEMA there) -> generic rows, one per modelled variant.
 
     Compute comes from the same configuration's ``no_comm`` variant (the step with a local
     tally instead of the exchange): its median fwd, bwd and opt phases, and its slowest-rank
     step time, whose excess over the phases and the modelled jitter wait is the natural spread
     of ranks sharing cores (added to fwd). The link rate is the configuration's tbf rate;
-    the measured shaper rate of bench_network (~0.96 of it) is applied when given."""
+    the measured shaper rate of bench_network (~0.96 of it) is applied when given.
+
+    ``compute="own-forward"``: the same phases scaled by the variant's own forward time over
+    no_comm's (the forward communicates in no variant), for a machine whose load changes
+    between variants."""
     rows = []
     ok = [r for r in doc["rows"] if r.get("status") == "ok"]
 
@@ -126,6 +132,11 @@ def from_training(doc: dict) -> list[dict]:
         n, L, jitter = r["n"], r["ranks_per_node"], r["jitter_ms"] or 0.0
         fwd, bwd, opt = nc["own_fwd_ms"], nc["own_bwd_ms"], nc["own_opt_ms"]
         spread = nc["step_ms_slowest_rank"] - (fwd + bwd + opt) - model.expected_max(n, jitter)
+        if compute == "own-forward":
+            # The forward has no communication in any variant: its own forward time says how
+            # fast this machine computed while the variant ran; scale no_comm's phases by it.
+            scale = r["own_fwd_ms"] / fwd
+            fwd, bwd, opt, spread = fwd * scale, bwd * scale, opt * scale, spread * scale
         gbit = r["rate_gbps"] * doc.get("shaper_efficiency", SHAPER_EFFICIENCY)
         inputs = {"params": r["params"], "ranks": n, "ranks_per_node": L, "inter_gbps": gbit,
                   "intra_gbps": LOOPBACK_GBPS if L > 1 else gbit, "latency_us": "fit",
@@ -141,13 +152,13 @@ def from_training(doc: dict) -> list[dict]:
     return rows
 
 
-def load(path: str) -> list[dict]:
+def load(path: str, compute: str = "no-comm") -> list[dict]:
     with open(path) as f:
         doc = json.load(f)
     if "links" in doc and "compute_n1" in doc:
         return from_network(doc)
     if doc.get("metadata", {}).get("benchmark") == "bench_training" or "row_schema" in doc:
-        return from_training(doc)
+        return from_training(doc, compute)
     return doc["rows"]
 
 
@@ -383,9 +394,15 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", nargs="+",
                         help="JSON files of measured steps (formats in the docstring)")
+    parser.add_argument("--calibrate", nargs="+", default=[],
+                        help="JSON files whose calibration rows only are used (e.g. a "
+                             "bench_network.json for a bench_training.json)")
     parser.add_argument("--clusters", action="store_true",
                         help="print the predictions for the README's clusters instead")
     parser.add_argument("--out", default=None, help="results folder")
+    parser.add_argument("--compute", choices=["no-comm", "own-forward"], default="no-comm",
+                        help="bench_training: compute from no_comm's phases, or scaled by each "
+                             "variant's own forward time (load that changes between variants)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if args.clusters:
@@ -401,12 +418,15 @@ def main(argv=None) -> int:
         return 0
     if not args.measured:
         parser.error("--measured FILE.json is required (or --clusters)")
-    rows = [r for path in args.measured for r in load(path)]
+    rows = [r for path in args.measured for r in load(path, args.compute)]
+    rows += [r for path in args.calibrate for r in load(path) if r.get("role") == "calibrate"]
     if not rows:
         parser.error("no measured rows found in " + ", ".join(args.measured))
     result = validate(rows)
     out = common.results_dir("plan", args.out)
-    meta = common.metadata({"benchmark": "bench_plan", "sources": args.measured})
+    meta = common.metadata({"benchmark": "bench_plan", "sources": args.measured,
+                            "calibration_sources": args.calibrate,
+                            "compute": args.compute})
     common.save(out, "bench_plan", result["rows"], meta, fastest=result["fastest"],
                 summary=result["summary"])
     text = report(result)

@@ -23,7 +23,8 @@ Collectives (the algorithms gloo and NCCL run; p ranks, S bytes, chunk c per ste
 A collective's time is ``lat_scale * latency terms + bw_scale * bandwidth terms`` (both scales 1
 unless ``--measure`` fitted them on a real group: ``calibration``) ; the host's work on the bytes
 the rank sends or sums at ``cpu_gbs`` GB/s (none by default; it matters for gloo on CPU cores)
-overlaps the transfer: the bandwidth term is the larger of the two.
+overlaps the transfer (the bandwidth term is the larger of the two) but not the compute: it needs
+the same cores, so it adds to the step even when the transfer hides behind backward.
 
 Compute. fwd, bwd and optimizer (``opt_ms``: one pass of the optimizer over all parameters) per
 rank, plus a random extra delay per rank and step (``jitter_ms``: uniform on [0, jitter] or
@@ -171,15 +172,17 @@ class Cost:
     intra_bytes: float = 0.0
     inter_bytes: float = 0.0
     algorithm: str = ""
+    host_ms: float = 0.0  # of ms, the host's own work (cpu_gbs): it needs the cores
 
     def __add__(self, other: Cost) -> Cost:
         parts = [a for a in (self.algorithm + "+" + other.algorithm).split("+") if a]
         algo = "+".join(dict.fromkeys(parts))  # each algorithm once, in order
         return Cost(self.ms + other.ms, self.intra_bytes + other.intra_bytes,
-                    self.inter_bytes + other.inter_bytes, algo)
+                    self.inter_bytes + other.inter_bytes, algo, self.host_ms + other.host_ms)
 
     def times(self, k: float) -> Cost:
-        return Cost(self.ms * k, self.intra_bytes * k, self.inter_bytes * k, self.algorithm)
+        return Cost(self.ms * k, self.intra_bytes * k, self.inter_bytes * k, self.algorithm,
+                    self.host_ms * k)
 
     @property
     def bytes(self) -> float:
@@ -227,10 +230,11 @@ def ring_steps(cl: Cluster, g: Group, steps: int, chunk: float, kind: str,
         return Cost(algorithm="none")
     lat, bw = _step(cl, g, chunk)
     # The host's work on one chunk overlaps the transfer of the next (pipelined ring).
-    bw = max(cl.calibration.scale(kind, 0.0, steps * bw), cl.host_ms(steps * chunk + reduced))
+    host = cl.host_ms(steps * chunk + reduced)
+    bw = max(cl.calibration.scale(kind, 0.0, steps * bw), host)
     ms = cl.calibration.scale(kind, steps * lat, 0.0) + bw
     intra, inter = _ring_bytes(g, steps * chunk)
-    return Cost(ms, intra, inter, "ring")
+    return Cost(ms, intra, inter, "ring", host)
 
 
 def all_reduce(cl: Cluster, g: Group, nbytes: float) -> Cost:
@@ -243,10 +247,11 @@ def all_reduce(cl: Cluster, g: Group, nbytes: float) -> Cost:
         return ring
     lat, bw = _step(cl, g, nbytes)
     depth = math.ceil(math.log2(g.p))
+    host = cl.host_ms(3 * nbytes)
     ms = cl.calibration.scale("all_reduce", 2 * depth * lat, 0.0) + max(
-        cl.calibration.scale("all_reduce", 0.0, 2 * bw), cl.host_ms(3 * nbytes))
+        cl.calibration.scale("all_reduce", 0.0, 2 * bw), host)
     intra, inter = _ring_bytes(g, 2.0 * nbytes)
-    tree = Cost(ms, intra, inter, "tree")
+    tree = Cost(ms, intra, inter, "tree", host)
     if cl.algorithm == "tree" or tree.ms < ring.ms:
         return tree
     return ring
@@ -275,9 +280,10 @@ def all_to_all(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
     if inter:  # the node's NIC carries the inter bytes of its per_node ranks, of every stream
         lat = max(lat, cl.inter.alpha_ms)
         bw = max(bw, cl.inter.bytes_ms(inter * g.per_node * g.streams))
+    host = cl.host_ms(intra + inter)
     ms = cl.calibration.scale("all_to_all", lat, 0.0) + max(
-        cl.calibration.scale("all_to_all", 0.0, bw), cl.host_ms(intra + inter))
-    return Cost(ms, intra, inter, "pairwise")
+        cl.calibration.scale("all_to_all", 0.0, bw), host)
+    return Cost(ms, intra, inter, "pairwise", host)
 
 
 # ----------------------------------------------------------------------------- stragglers
@@ -405,8 +411,10 @@ def _ddp_row(cl, w, name, wire_bytes):
         acc += s
         ready.append(start + w.bwd * acc / max(w.d, 1))
     end = bucket_timeline(ready, [c.ms for c in costs])
-    exposed = max(0.0, end - (start + w.bwd))
     total = sum(costs, Cost())
+    # The host's work for the collectives needs the cores that compute: it cannot hide.
+    end = max(end, start + w.bwd + total.host_ms)
+    exposed = max(0.0, end - (start + w.bwd))
     step = start + w.bwd + exposed + w.opt
     return Row(name, step, w.fwd + w.bwd + w.opt, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), costs[0].algorithm,
@@ -451,6 +459,7 @@ def _dlion_row(cl, w, mode, overlap, L):
             ready.append(start + (w.bwd + local) * acc / max(w.d, 1))
         end = bucket_timeline(ready, [c.ms for c in costs])
         compute_end = start + w.bwd + local
+        end = max(end, compute_end + total.host_ms)  # host work cannot hide (see _ddp_row)
         exposed = max(0.0, end - compute_end)
         step = compute_end + exposed + apply
     else:
@@ -537,7 +546,7 @@ def _gossip_step(cl: Cluster, groups, nbytes: float) -> Cost:
             slowest = c
         intra += c.intra_bytes * len(grp)
         inter += c.inter_bytes * len(grp)
-    return Cost(slowest.ms, intra / cl.n, inter / cl.n, slowest.algorithm)
+    return Cost(slowest.ms, intra / cl.n, inter / cl.n, slowest.algorithm, slowest.host_ms)
 
 
 def _gossip_wait(cl: Cluster, groups, w: _Work) -> float:
@@ -557,8 +566,8 @@ def _decentralized_row(cl, w, topology, gossip_bytes):
     wait /= len(steps)
     compute = w.fwd + w.bwd + w.opt
     # The gossip of iteration t has all of iteration t+1's compute to hide behind.
-    step = max(compute + wait, total.ms)
-    exposed = max(0.0, total.ms - (compute + wait))
+    step = max(compute + wait + total.host_ms, total.ms)
+    exposed = step - (compute + wait)
     algo = "+".join(sorted({a for a in total.algorithm.split("+") if a}))
     return Row(f"decentralized-{topology}", step, compute, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), algo,

@@ -384,3 +384,14 @@ def test_one_rank_sends_nothing():
     for r in rows:
         assert r.comm_ms == 0 and r.bytes_per_rank == 0 and r.wait_ms == 0
         assert r.step_ms == pytest.approx(r.compute_ms)
+
+
+def test_host_work_needs_the_cores():
+    # cpu_gbs = 1 GB/s: a ring all-reduce of 4 MB over n = 2 sends 4 MB and sums 2 MB: 6 ms of
+    # host work; the link takes 4 ms. It overlaps the transfer but not backward.
+    inputs = dict(**GB, fwd_ms=10, bwd_ms=100, opt_ms=0, bucket_mb=100, algorithm="ring")
+    free = rows_by_name(model.predict(1_000_000, 2, **inputs))["allreduce-fp32"]
+    busy = rows_by_name(model.predict(1_000_000, 2, **inputs, cpu_gbs=1.0))["allreduce-fp32"]
+    assert free.comm_ms == pytest.approx(4.0) and busy.comm_ms == pytest.approx(6.0)
+    assert busy.exposed_comm_ms == pytest.approx(6.0)
+    assert busy.step_ms == pytest.approx(10 + 100 + 6)
