@@ -386,22 +386,22 @@ def bytes_formula(key: str, n: int, L: int, d: int, stats: dict | None):
     if stats and "bytes_sent" in stats:
         inter = next((stats[k] for k in ("inter_bytes_sent", "bytes_sent_inter",
                                           "inter_node_bytes_sent") if k in stats), None)
-        if inter is None and L == 1:
-            inter = stats["bytes_sent"]
+        if inter is None:  # flat D-Lion: all_to_all + all_gather, n - L of n - 1 peers away
+            inter = round(stats["bytes_sent"] * (n - L) / (n - 1)) if n > 1 else 0
         return stats["bytes_sent"], inter, "StepStats"
     N = n // L
     ring = lambda m, width: round(2 * (m - 1) / m * width * d) if m > 1 else 0  # noqa: E731
     if key in ("ddp_fp32", "ddp_fp16", "ddp_bf16"):
         b = ring(n, 4 if key == "ddp_fp32" else 2)
-        # a flat ring over N nodes x L ranks: in the best rank order 2(N-1)/N of the data
-        # per node crosses nodes, shared by its L ranks (the wire counter says what happened)
-        return b, (b if L == 1 else None), "formula"
+        # a ring in rank order over N nodes x L ranks: N of its n edges cross nodes, so 1/L of
+        # the bytes on average (wire_bytes_per_rank says what really crossed)
+        return b, b / L, "formula"
     if key == "hier_fp32":
         intra = 2 * round((L - 1) / L * 4 * d)
         inter = ring(N, 4 / L)
         return intra + inter, inter, "formula"
     if key in ("dec_ring", "dec_one_peer_exp"):
-        return ring(2, 4), ring(2, 4) if L == 1 else None, "formula"
+        return ring(2, 4), (ring(2, 4) if L == 1 else None), "formula"
     return None, None, None
 
 
@@ -638,6 +638,43 @@ def main(argv=None) -> int:
           f"{up_before}", flush=True)
 
     rows, raw, skipped, infos = [], [], [], []
+
+    def write(final: bool) -> None:
+        """The results so far: after every configuration (a killed run keeps them) and at the
+        end (then also printed and plotted)."""
+        done = [dict(r) for r in rows]
+        derive(done)
+        fits = bucket_fits(done)
+        up_now = uptime()
+        meta = common.metadata({
+            "benchmark": "bench_training", "uptime_before": up_before, "uptime_after": up_now,
+            "complete": final,
+            "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
+                         "intra-node traffic on the namespace's loopback",
+            "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
+            "params": d, "threads_per_rank": 1, "args": vars(args)})
+        notes = [
+            f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
+            "compare every variant with no_comm of the same configuration, not across n",
+            "step time = median over reps of the slowest rank (each rep starts at a barrier)",
+            "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
+            "veth",
+            "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
+            "written here (cast to bf16, all_reduce, cast back)",
+            f"uptime before: {up_before}; after: {up_now}",
+        ]
+        if not final:
+            notes.append("INCOMPLETE: written after a configuration; the run did not finish")
+        if any(i.get("netem_error") for i in infos):
+            notes.append("netem unavailable: no delay emulated, tbf rate limit only")
+        common.save(out_dir, "bench_training", done, meta, row_schema=ROW_SCHEMA,
+                    bucket_fits=fits, skipped=skipped, notes=notes, links=infos, raw=raw)
+        text = markdown(done, fits, meta, notes, skipped, time.time() - start, out_dir)
+        common.save_text(out_dir, "bench_training.md", text)
+        if final:
+            print(text)
+            common.plot_unless(args.no_plot, lambda: plot(done, out_dir, d))
+
     with tempfile.TemporaryDirectory(prefix="bench_training-") as tmp:
         for rate in args.rates_gbit:
             for nodes, L in layouts:
@@ -660,33 +697,8 @@ def main(argv=None) -> int:
                     if r["sweep"] == "main":
                         print(f"    {r['label']:<40} {r['step_ms_slowest_rank']:8.1f} ms",
                               flush=True)
-    derive(rows)
-    fits = bucket_fits(rows)
-    up_after = uptime()
-
-    meta = common.metadata({
-        "benchmark": "bench_training", "uptime_before": up_before, "uptime_after": up_after,
-        "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
-                     "intra-node traffic on the namespace's loopback",
-        "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
-        "params": d, "threads_per_rank": 1, "args": vars(args)})
-    notes = [
-        f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
-        "compare every variant with no_comm of the same configuration, not across n",
-        "step time = median over reps of the slowest rank (each rep starts at a barrier)",
-        "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's veth",
-        "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
-        "written here (cast to bf16, all_reduce, cast back)",
-        f"uptime before: {up_before}; after: {up_after}",
-    ]
-    if any(i.get("netem_error") for i in infos):
-        notes.append("netem unavailable: no delay emulated, tbf rate limit only")
-    common.save(out_dir, "bench_training", rows, meta, row_schema=ROW_SCHEMA,
-                bucket_fits=fits, skipped=skipped, notes=notes, links=infos, raw=raw)
-    text = markdown(rows, fits, meta, notes, skipped, time.time() - start, out_dir)
-    common.save_text(out_dir, "bench_training.md", text)
-    print(text)
-    common.plot_unless(args.no_plot, lambda: plot(rows, out_dir, d))
+                write(final=False)
+    write(final=True)
     return 0
 
 
