@@ -101,8 +101,12 @@ ROW_SCHEMA = {
     "step_ms_median": "median over reps and ranks of a rank's step time",
     "step_ms_slowest_rank": "median over reps of the slowest rank's step time (the step time)",
     "step_ms_rank0": "median over reps of rank 0's step time",
-    "own_fwd_ms, own_bwd_ms, own_opt_ms": "this variant's phases, median over reps and ranks",
-    "fwd_ms, bwd_ms, opt_ms": "the same configuration's no_comm phases: compute without comm",
+    "own_fwd_ms": "this variant's forward, median over reps and ranks",
+    "own_bwd_ms": "this variant's backward (with the communication it waits for), median",
+    "own_opt_ms": "this variant's opt.step() (with its communication), median",
+    "fwd_ms": "the same configuration's no_comm forward: compute without communication",
+    "bwd_ms": "the same configuration's no_comm backward",
+    "opt_ms": "the same configuration's no_comm opt.step() (local step, tally, apply)",
     "no_comm_ms": "no_comm's step_ms_slowest_rank in the same configuration and batch",
     "vs_no_comm": "step_ms_slowest_rank / no_comm_ms",
     "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_dlion - T_no_comm) "
@@ -386,22 +390,25 @@ def bytes_formula(key: str, n: int, L: int, d: int, stats: dict | None):
     if stats and "bytes_sent" in stats:
         inter = next((stats[k] for k in ("inter_bytes_sent", "bytes_sent_inter",
                                           "inter_node_bytes_sent") if k in stats), None)
-        if inter is None and L == 1:
-            inter = stats["bytes_sent"]
+        if inter is None and n > 1:
+            # flat D-Lion, vote/binary: half the bytes in the all_to_all (direct: n - L of the
+            # n - 1 peers are on other nodes), half in gloo's all_gather (a ring in rank order:
+            # 1/L of it crosses). Matched the veth counters at 2x2 (2.76 MB of 4.72 MB).
+            inter = round(stats["bytes_sent"] / 2 * ((n - L) / (n - 1) + 1 / L))
         return stats["bytes_sent"], inter, "StepStats"
     N = n // L
     ring = lambda m, width: round(2 * (m - 1) / m * width * d) if m > 1 else 0  # noqa: E731
     if key in ("ddp_fp32", "ddp_fp16", "ddp_bf16"):
         b = ring(n, 4 if key == "ddp_fp32" else 2)
-        # a flat ring over N nodes x L ranks: in the best rank order 2(N-1)/N of the data
-        # per node crosses nodes, shared by its L ranks (the wire counter says what happened)
-        return b, (b if L == 1 else None), "formula"
+        # a ring in rank order over N nodes x L ranks: N of its n edges cross nodes, so 1/L of
+        # the bytes on average (wire_bytes_per_rank says what really crossed)
+        return b, b / L, "formula"
     if key == "hier_fp32":
         intra = 2 * round((L - 1) / L * 4 * d)
         inter = ring(N, 4 / L)
         return intra + inter, inter, "formula"
     if key in ("dec_ring", "dec_one_peer_exp"):
-        return ring(2, 4), ring(2, 4) if L == 1 else None, "formula"
+        return ring(2, 4), (ring(2, 4) if L == 1 else None), "formula"
     return None, None, None
 
 
@@ -638,6 +645,46 @@ def main(argv=None) -> int:
           f"{up_before}", flush=True)
 
     rows, raw, skipped, infos = [], [], [], []
+
+    def write(final: bool) -> None:
+        """The results so far: after every configuration (a killed run keeps them) and at the
+        end (then also printed and plotted)."""
+        done = [dict(r) for r in rows]
+        derive(done)
+        fits = bucket_fits(done)
+        up_now = uptime()
+        meta = common.metadata({
+            "benchmark": "bench_training", "uptime_before": up_before, "uptime_after": up_now,
+            "complete": final,
+            "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
+                         "intra-node traffic on the namespace's loopback",
+            "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
+            "params": d, "threads_per_rank": 1, "args": vars(args)})
+        notes = [
+            f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
+            "compare every variant with no_comm of the same configuration, not across n",
+            "step time = median over reps of the slowest rank (each rep starts at a barrier)",
+            "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
+            "veth",
+            "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
+            "written here (cast to bf16, all_reduce, cast back)",
+            f"uptime before: {up_before}; after: {up_now}",
+        ]
+        if not final:
+            notes.append("INCOMPLETE: written after a configuration; the run did not finish")
+        if any(i.get("netem_error") for i in infos):
+            notes.append("netem unavailable: no delay emulated, tbf rate limit only")
+        common.save(out_dir, "bench_training", done, meta, row_schema=ROW_SCHEMA,
+                    bucket_fits=fits, skipped=skipped, notes=notes, links=infos, raw=raw)
+        text = markdown(done, fits, meta, notes, skipped, time.time() - start, out_dir)
+        common.save_text(out_dir, "bench_training.md", text)
+        if final:
+            print(text)
+            if any(r["ranks_per_node"] == 1 and r["status"] == "ok" for r in done):
+                common.plot_unless(args.no_plot, lambda: plot(done, out_dir, d))
+            else:
+                print("no plot: the batch-sweep plot needs flat-layout rows")
+
     with tempfile.TemporaryDirectory(prefix="bench_training-") as tmp:
         for rate in args.rates_gbit:
             for nodes, L in layouts:
@@ -660,33 +707,8 @@ def main(argv=None) -> int:
                     if r["sweep"] == "main":
                         print(f"    {r['label']:<40} {r['step_ms_slowest_rank']:8.1f} ms",
                               flush=True)
-    derive(rows)
-    fits = bucket_fits(rows)
-    up_after = uptime()
-
-    meta = common.metadata({
-        "benchmark": "bench_training", "uptime_before": up_before, "uptime_after": up_after,
-        "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
-                     "intra-node traffic on the namespace's loopback",
-        "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
-        "params": d, "threads_per_rank": 1, "args": vars(args)})
-    notes = [
-        f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
-        "compare every variant with no_comm of the same configuration, not across n",
-        "step time = median over reps of the slowest rank (each rep starts at a barrier)",
-        "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's veth",
-        "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
-        "written here (cast to bf16, all_reduce, cast back)",
-        f"uptime before: {up_before}; after: {up_after}",
-    ]
-    if any(i.get("netem_error") for i in infos):
-        notes.append("netem unavailable: no delay emulated, tbf rate limit only")
-    common.save(out_dir, "bench_training", rows, meta, row_schema=ROW_SCHEMA,
-                bucket_fits=fits, skipped=skipped, notes=notes, links=infos, raw=raw)
-    text = markdown(rows, fits, meta, notes, skipped, time.time() - start, out_dir)
-    common.save_text(out_dir, "bench_training.md", text)
-    print(text)
-    common.plot_unless(args.no_plot, lambda: plot(rows, out_dir, d))
+                write(final=False)
+    write(final=True)
     return 0
 
 
