@@ -118,6 +118,24 @@ def _by_dtype(items):
     return list(groups.values())
 
 
+def exchange_votes(kernels, votes_buf, shard, p_in, p_out, n, group, mode, ternary, step):
+    """The two-phase exchange of packed votes ``votes_buf`` (n * shard blocks, p_in planes):
+    all_to_all_single, tally of the owned shard, all_gather_into_tensor of the tallied shards.
+    Returns the packed aggregate (n * shard blocks, p_out planes) and the bytes this rank sent.
+    Also the inter-node stage of hierarchical D-Lion (hierarchy.py), with the nodes as voters."""
+    device = votes_buf.device
+    aggregate = torch.empty(n * shard * p_out, dtype=torch.int32, device=device)
+    if n == 1:
+        kernels.tally(votes_buf.view(1, -1), aggregate, 1, mode, ternary, step)
+        return aggregate, 0
+    received = torch.empty(n, shard * p_in, dtype=torch.int32, device=device)
+    dist.all_to_all_single(received.view(-1), votes_buf, group=group)
+    owned = torch.empty(shard * p_out, dtype=torch.int32, device=device)
+    kernels.tally(received, owned, n, mode, ternary, step)
+    _all_gather(aggregate, owned, group)
+    return aggregate, (n - 1) * shard * (p_in + p_out) * _WORD_BYTES
+
+
 def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepStats:
     """The step for already-validated segments: one exchange for all of them."""
     tensors = [t for s in segments for t in s.params]
@@ -173,17 +191,9 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
             g, m, off = zip(*part)
             kernels.local_step(list(g), list(m), votes_buf, list(off), s.beta1, s.beta2, ternary)
 
-    aggregate = torch.empty(n * shard * p_out, dtype=torch.int32, device=device)
-    if n == 1:
-        kernels.tally(votes_buf.view(1, -1), aggregate, 1, mode, ternary, step)
-        sent = 0
-    else:
-        received = torch.empty(n, shard * p_in, dtype=torch.int32, device=device)
-        dist.all_to_all_single(received.view(-1), votes_buf, group=group)
-        owned = torch.empty(shard * p_out, dtype=torch.int32, device=device)
-        kernels.tally(received, owned, n, mode, ternary, step)
-        _all_gather(aggregate, owned, group)
-        sent = flag_bytes + (n - 1) * shard * (p_in + p_out) * _WORD_BYTES
+    aggregate, sent = exchange_votes(kernels, votes_buf, shard, p_in, p_out, n, group, mode,
+                                     ternary, step)
+    sent += flag_bytes
 
     for s, rows in work:
         for part in _by_dtype([(p, off) for p, _, _, off in rows]):
@@ -210,6 +220,7 @@ def fused_dlion_step(
     backend=None,
     step=None,
     nonfinite="raise",
+    hierarchy=None,
 ) -> StepStats:
     """One Distributed Lion step; updates ``params`` and ``exp_avgs`` in place.
 
@@ -224,6 +235,9 @@ def fused_dlion_step(
         process, which agrees across ranks as long as every rank makes the same calls.
     nonfinite: "raise" (default) raises NonFiniteGradientError on every rank when any rank has an
         inf/NaN gradient; "skip" skips the step on every rank. Either way nothing is modified.
+    hierarchy: None (flat), "node" ($LOCAL_WORLD_SIZE ranks per node) or an int L: hierarchical
+        D-Lion over nodes of L consecutive ranks (hierarchy.py); only the elements of this rank's
+        momentum shard of ``exp_avgs`` are read and written.
     Returns StepStats with the bytes this rank sent and received.
     """
     beta1, beta2 = check_hyperparameters(lr, betas, weight_decay)
@@ -233,5 +247,12 @@ def fused_dlion_step(
         raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
     segment = Segment(list(params), list(grads), list(exp_avgs), float(lr), beta1, beta2,
                       float(weight_decay))
+    from . import hierarchy as hier  # imports this module
+
+    ranks_per_node = hier.resolve_hierarchy(hierarchy)
+    if ranks_per_node > 1:
+        return hier.run_hierarchical_step(
+            [segment], hier.FullMomentum(exp_avgs), ranks_per_node=ranks_per_node, mode=mode,
+            votes=votes, group=group, backend=backend, step=step, nonfinite=nonfinite)
     return run_step([segment], mode=mode, votes=votes, group=group, backend=backend, step=step,
                     nonfinite=nonfinite)

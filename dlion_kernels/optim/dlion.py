@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..exchange import hierarchy as hier
 from ..exchange.checks import (
     check_hyperparameters,
     check_options,
@@ -25,6 +26,11 @@ class DistributedLion(torch.optim.Optimizer):
     Every parameter with ``requires_grad`` takes part in every step on every rank; a ``None``
     gradient counts as zero (the parameter still moves by its momentum's vote and weight decay).
     ``last_stats`` holds the ``StepStats`` of the latest step.
+
+    ``hierarchy`` ("node" or an int L; None = flat): hierarchical D-Lion over nodes of L ranks
+    (``exchange/hierarchy.py``): exact gradient mean inside a node, the nodes vote. Each rank then
+    keeps momentum only for its shard, ~1/L of the elements: ``state[p]["exp_avg"]`` is 1-D and
+    covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L.
     """
 
     def __init__(
@@ -39,9 +45,12 @@ class DistributedLion(torch.optim.Optimizer):
         group=None,
         backend: str | None = None,
         nonfinite: str = "raise",
+        hierarchy=None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         check_options(mode, votes, backend, nonfinite)
+        self.ranks_per_node = hier.resolve_hierarchy(hierarchy)
+        hier.check_world(group, self.ranks_per_node)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.mode, self.votes, self.group = mode, votes, group
         self.backend, self.nonfinite = backend, nonfinite
@@ -70,21 +79,40 @@ class DistributedLion(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    if self.ranks_per_node == 1:  # hierarchical: the momentum shard, on step
+                        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32,
+                                                       device=p.device)
                 states.append(state)
             grads = [p.grad for p in params]
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            exp_avgs = [self.state[p].get("exp_avg") for p in params]
             segments.append(Segment(params, grads, exp_avgs, float(g["lr"]), beta1, beta2,
                                     float(g["weight_decay"])))
-        check_tensors(*(sum((getattr(s, k) for s in segments), []) for k in
-                        ("params", "grads", "exp_avgs")))
+        lists = [sum((getattr(s, k) for s in segments), []) for k in ("params", "grads",
+                                                                      "exp_avgs")]
+        if self.ranks_per_node > 1:
+            hier.check_tensors(*lists[:2])  # the momentum shards are the optimizer's own
+        else:
+            check_tensors(*lists)
         step = max((state["step"] for state in states), default=0)
-        self.last_stats = run_step(segments, mode=self.mode, votes=self.votes, group=self.group,
-                                   backend=self.backend, step=step, nonfinite=self.nonfinite)
+        if self.ranks_per_node > 1:
+            self.last_stats = hier.run_hierarchical_step(
+                segments, self._momentum_shard(states), ranks_per_node=self.ranks_per_node,
+                mode=self.mode, votes=self.votes, group=self.group, backend=self.backend,
+                step=step, nonfinite=self.nonfinite)
+        else:
+            self.last_stats = run_step(segments, mode=self.mode, votes=self.votes,
+                                       group=self.group, backend=self.backend, step=step,
+                                       nonfinite=self.nonfinite)
         if not self.last_stats.skipped:
             for state in states:
                 state["step"] = step + 1
         return loss
+
+    def _momentum_shard(self, states):
+        if getattr(self, "_shard", None) is None:
+            self._shard = hier.ShardedMomentum()
+        self._shard.states = states  # new dicts after load_state_dict: the shard is rebuilt
+        return self._shard
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts floating state to the param's dtype; momentum stays fp32 here for exact
