@@ -33,6 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# all_gather_into_tensor, under the name torch uses from 2.13 on
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _time(fn, reps):
@@ -65,7 +67,7 @@ def _worker(rank, L, store, sizes, reps, queue):
             aggregate = torch.empty(L * shard, dtype=torch.int32)
 
             def gather_aggregate():
-                dist.all_gather_into_tensor(aggregate, owned)
+                _gather(aggregate, owned)
                 kernels.apply([params[:d]], aggregate, [0], 1e-3, 0.0, 2, "vote", False)
 
             mine = params[rank * shard * 32 : (rank + 1) * shard * 32]
@@ -73,7 +75,7 @@ def _worker(rank, L, store, sizes, reps, queue):
 
             def gather_params():
                 kernels.apply([mine], owned, [0], 1e-3, 0.0, 2, "vote", False)
-                dist.all_gather_into_tensor(gathered, mine)
+                _gather(gathered, mine)
 
             for variant, fn in (("aggregate", gather_aggregate), ("params", gather_params)):
                 fn()  # warm up (tables, buffers)
