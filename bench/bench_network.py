@@ -1,14 +1,17 @@
-"""Training steps over an emulated network: n hosts, each in its own Linux network namespace.
+"""The optimizer phase (optimizer + communication, no forward/backward) over an emulated
+network: n hosts, each in its own Linux network namespace. Whole training steps (forward +
+backward + optimizer) are ``bench_training.py``'s.
 
-Topology (built per configuration, torn down after it, also on Ctrl-C / SIGTERM / errors)::
+Topology (``network.Topology``, one rank per namespace here; built per configuration, torn
+down after it, also on Ctrl-C / SIGTERM / errors)::
 
-    netns <tag>-r0 --veth--+
-    netns <tag>-r1 --veth--+-- bridge br0 in netns <tag>-hub
+    netns <tag>-n0 --veth--+
+    netns <tag>-n1 --veth--+-- bridge br0 in netns <tag>-hub
     ...                    |
-    netns <tag>-r{n-1} ----+
+    netns <tag>-n{n-1} ----+
 
-Every host has address 10.213.<S>.<k+1>/24 on its veth; nothing is routed anywhere else and the
-root namespace is not touched (the bridge lives in its own namespace). Each link is shaped in
+Every host has address 10.<A>.<B>.<k+1>/24 on its veth (a /24 drawn per run); nothing is
+routed anywhere else and the root namespace is not touched (the bridge lives in its own namespace). Each link is shaped in
 both directions: a ``tbf`` on the host-side veth (uplink) and one on the bridge-side veth
 (downlink), i.e. a full-duplex NIC of the given rate per host into a non-blocking switch. If
 ``--delay-ms`` > 0, ``netem`` is tried first for the one-way delay (on the uplink, tbf as its
@@ -39,9 +42,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +49,9 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import network  # noqa: E402
+from network import Skip  # noqa: E402
 
-SUBNET_BASE = "10.213"
 VARIANTS = ["lion_allreduce_fp32", "dlion_vote_binary", "dlion_average_binary",
             "allreduce_fp32_comm", "dlion_vote_binary_comm", "lion_local"]
 LABELS = {
@@ -63,106 +64,8 @@ LABELS = {
 }
 
 
-class Skip(Exception):
-    """The benchmark cannot run here (no privileges, no iproute2); not a failure."""
-
-
-# ----------------------------------------------------------------------------- topology
-
-
-def _ip(*args, check=True):
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): "
-                           f"{(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
-class Topology:
-    """n namespaces on a bridge, links shaped to ``rate_mbit``; a context manager that always
-    removes what it created (namespaces take their veths with them)."""
-
-    def __init__(self, n: int, rate_mbit: float, delay_ms: float):
-        self.n, self.rate_mbit, self.delay_ms = n, rate_mbit, delay_ms
-        tag = os.urandom(2).hex()
-        self.hub = f"dlbn{tag}-hub"
-        self.hosts = [f"dlbn{tag}-r{k}" for k in range(n)]
-        self.host_if = [f"dn{tag}a{k}" for k in range(n)]
-        self.hub_if = [f"dn{tag}b{k}" for k in range(n)]
-        self.subnet = f"{SUBNET_BASE}.{int(tag, 16) % 250 + 1}"
-        self.addrs = [f"{self.subnet}.{k + 1}" for k in range(n)]
-        self.created: list[str] = []
-        self.shaper = "tbf"
-        self.netem_error = None
-
-    def __enter__(self):
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _netns(self, name):
-        _ip("ip", "netns", "add", name)
-        self.created.append(name)
-        _ip("ip", "-n", name, "link", "set", "lo", "up")
-
-    def _build(self):
-        self._netns(self.hub)
-        _ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for k in range(self.n):
-            ns, a, b = self.hosts[k], self.host_if[k], self.hub_if[k]
-            self._netns(ns)
-            # created directly inside the namespaces: nothing ever appears in the root netns
-            _ip("ip", "link", "add", a, "netns", ns, "type", "veth", "peer", "name", b,
-                "netns", self.hub)
-            _ip("ip", "-n", ns, "addr", "add", f"{self.addrs[k]}/24", "dev", a)
-            _ip("ip", "-n", ns, "link", "set", a, "up")
-            _ip("ip", "-n", self.hub, "link", "set", b, "master", "br0")
-            _ip("ip", "-n", self.hub, "link", "set", b, "up")
-            self._shape(ns, a, uplink=True)
-            self._shape(self.hub, b, uplink=False)
-
-    def _tbf(self, ns, dev, parent):
-        rate_bytes = self.rate_mbit * 1e6 / 8
-        burst = max(int(rate_bytes / 1000), 64 * 1024)  # 1 ms of traffic, >= one GSO packet
-        _ip("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf",
-            "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", "50ms")
-
-    def _shape(self, ns, dev, uplink: bool):
-        if uplink and self.delay_ms > 0 and self.netem_error is None:
-            proc = _ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
-                       "netem", "delay", f"{self.delay_ms:g}ms", check=False)
-            if proc.returncode == 0:
-                self._tbf(ns, dev, ("parent", "1:1", "handle", "10:"))
-                self.shaper = "netem+tbf"
-                return
-            self.netem_error = (proc.stderr or proc.stdout).strip()
-            _ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-        self._tbf(ns, dev, ("root",))
-
-    def close(self):
-        for name in reversed(self.created):
-            _ip("ip", "netns", "del", name, check=False)
-        self.created.clear()
-
-
 def check_privileges():
-    """Raise Skip with the reason when namespaces cannot be made here."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        raise Skip("iproute2 ('ip' and 'tc') is not installed")
-    if os.geteuid() != 0:
-        raise Skip("needs root to create network namespaces (ip netns add); run with sudo")
-    probe = f"dlbn{os.urandom(2).hex()}-probe"
-    proc = _ip("ip", "netns", "add", probe, check=False)
-    if proc.returncode != 0:
-        raise Skip(f"'ip netns add' failed: {(proc.stderr or proc.stdout).strip()}")
-    _ip("ip", "netns", "del", probe, check=False)
+    network.check_privileges("dlbn")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -281,7 +184,7 @@ def worker(cfg_path: str, rank: int) -> None:
 
 
 def run_config(n, rate_mbit, args, tmp, timeout) -> dict:
-    with Topology(n, rate_mbit, args.delay_ms) as topo:
+    with network.Topology(n, rate_mbit, args.delay_ms, prefix="dlbn") as topo:
         cfg = {
             "n": n, "numel": args.numel, "master": topo.addrs[0],
             "port": 20000 + int.from_bytes(os.urandom(2), "little") % 30000,
@@ -296,41 +199,9 @@ def run_config(n, rate_mbit, args, tmp, timeout) -> dict:
             json.dump(cfg, f)
         env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
                    + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        procs, logs = [], []
-        try:
-            for k in range(n):
-                log = open(os.path.join(tmp, f"log-{n}-{rate_mbit:g}-r{k}.txt"), "w")
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", topo.hosts[k], sys.executable,
-                     os.path.abspath(__file__), "--worker", cfg_path, "--rank", str(k)],
-                    env=dict(env, GLOO_SOCKET_IFNAME=topo.host_if[k]),
-                    stdout=log, stderr=subprocess.STDOUT))
-            end = time.time() + timeout
-            failed = []
-            for k, p in enumerate(procs):
-                try:
-                    p.wait(max(1.0, end - time.time()))
-                except subprocess.TimeoutExpired:
-                    failed.append(f"rank {k}: timed out after {timeout:.0f} s")
-                    break
-                if p.returncode != 0:
-                    failed.append(f"rank {k}: exit code {p.returncode}")
-            if failed:
-                tails = []
-                for log in logs:
-                    log.flush()
-                    with open(log.name) as f:
-                        tails.append(f"--- {os.path.basename(log.name)}\n" + f.read()[-3000:])
-                raise RuntimeError(f"n={n} rate={rate_mbit:g} Mbit/s failed: "
-                                   + "; ".join(failed) + "\n" + "\n".join(tails))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+        topo.launch(lambda k: [sys.executable, os.path.abspath(__file__), "--worker", cfg_path,
+                               "--rank", str(k)],
+                    env, tmp, timeout, label=f"-{n}-{rate_mbit:g}")
         with open(cfg["result"]) as f:
             result = json.load(f)
         result.update(shaper=topo.shaper, netem_error=topo.netem_error, subnet=topo.subnet,
@@ -368,10 +239,6 @@ def _mem_available() -> int:
     return 1 << 62
 
 
-def _on_sigterm(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(ap)
@@ -406,7 +273,7 @@ def main(argv=None) -> int:
         print(f"bench_network skipped: {e}")
         return 0
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    network.install_signal_handlers()
     start = time.time()
     out_dir = common.results_dir("bench_network", args.out)
     print(f"bench_network: {common.human_count(args.numel)} params, ranks {args.ranks}, "
@@ -483,7 +350,8 @@ def main(argv=None) -> int:
     else:
         met = "met" if target["step_speedup"] >= 10 else "NOT met"
         verdict = (f"1 Gbit/s, 4 ranks, {common.human_count(args.numel)} params: D-Lion "
-                   f"vote/binary step {target['step_speedup']:.1f}x faster than Lion + fp32 "
+                   f"vote/binary optimizer phase (optimizer + communication, no forward/"
+                   f"backward) {target['step_speedup']:.1f}x faster than Lion + fp32 "
                    f"all-reduce (target >= 10x: {met}); communication alone "
                    f"{target['comm_speedup']:.1f}x; projected with one core per rank "
                    f"{target['projected_speedup_1core']:.1f}x (derived)")
@@ -514,16 +382,18 @@ def main(argv=None) -> int:
         ("delay_ms", "delay ms"), ("probe_mib", "probe MiB", ".0f"),
         ("measured_gbit", "measured Gbit/s (r0->r1)", ".2f")], title="Link check"))
     md.append(common.markdown_table(summary, [
-        ("rate_gbit", "Gbit/s"), ("n", "n"), ("lion_ar_ms", "Lion+AR fp32 step ms", ".0f"),
-        ("dlion_vote_ms", "D-Lion vote step ms", ".0f"), ("step_speedup", "step speedup", ".2f"),
+        ("rate_gbit", "Gbit/s"), ("n", "n"), ("lion_ar_ms", "Lion+AR fp32 opt. phase ms", ".0f"),
+        ("dlion_vote_ms", "D-Lion vote opt. phase ms", ".0f"),
+        ("step_speedup", "opt. phase speedup", ".2f"),
         ("ar_comm_ms", "AR fp32 comm ms", ".0f"), ("vote_comm_ms", "vote comm ms", ".1f"),
         ("comm_speedup", "comm speedup", ".1f"), ("local_lion_ms", "local Lion ms (n procs)",
                                                   ".0f"),
         ("n1_lion_ms", "Lion ms (n=1)", ".0f"),
-        ("projected_speedup_1core", "projected step speedup, 1 core/rank*", ".1f")],
-        title="Summary (slowest rank, median)"))
+        ("projected_speedup_1core", "projected opt. phase speedup, 1 core/rank*", ".1f")],
+        title="Optimizer phase (optimizer + communication, no forward/backward; "
+        "slowest rank, median)"))
     md.append("\\* derived, not measured: (AR fp32 comm + Lion n=1) / (vote comm + D-Lion n=1), "
-              "the step speedup if each rank had a core of its own and compute did not "
+              "the optimizer-phase speedup if each rank had a core of its own and compute did not "
               "contend.\n")
     md.append(common.markdown_table(rows, [
         ("rate_gbit", "Gbit/s"), ("n", "n"), ("variant", "variant"), ("backend", "backend"),
@@ -544,7 +414,7 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
-    """Grouped bars: step time (slowest rank) of each variant at each (rate, n)."""
+    """Grouped bars: optimizer-phase time (slowest rank) of each variant at each (rate, n)."""
     plt = common.pyplot()
     if plt is None:
         return None
@@ -567,8 +437,9 @@ def plot(rows: list[dict], out_dir: str, numel: int) -> str | None:
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(r["t_max_ms"] for r in rows) / 2)  # log bars: show every bar's foot
     common.log_ms_axis(ax.yaxis)
-    ax.set_ylabel("ms per step (slowest rank, median)")
-    ax.set_title(f"bench_network: {common.human_count(numel)} fp32 parameters")
+    ax.set_ylabel("ms per optimizer phase (slowest rank, median)")
+    ax.set_title(f"bench_network, optimizer phase (no fwd/bwd): "
+                 f"{common.human_count(numel)} fp32 parameters")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(True, axis="y", which="both", alpha=0.3)
     return common.save_figure(fig, out_dir, "bench_network")

@@ -21,3 +21,12 @@ __all__ = [
     "fused_dlion_step",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # dk.plan (the runtime model) is loaded on first use, so `import dlion_kernels` stays light.
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module(".plan", __name__)
+    raise AttributeError(f"module 'dlion_kernels' has no attribute {name!r}")

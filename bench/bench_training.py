@@ -1,0 +1,793 @@
+"""Whole training steps (forward + backward + optimizer) over an emulated network.
+
+Every configuration (link rate, n ranks laid out as N nodes x L ranks per node) builds the
+network of ``network.py`` (one namespace per node, tbf-shaped veths into a bridge, intra-node
+traffic on the namespace's loopback), starts n rank processes (gloo, 1 thread each) and runs
+every variant side by side, one after the other, on the same processes:
+
+===================  =========================================================================
+``no_comm``          D-Lion with its exchange replaced by a local tally on a one-rank group:
+                     T_no_comm, the same step without any communication
+``ddp_fp32``         DDP, its default overlapped fp32 all-reduce, then Lion (local)
+``ddp_fp16``         DDP + ``fp16_compress_hook``, then Lion (local)
+``ddp_bf16``         DDP + a bf16 compress hook written here (torch's ``bf16_compress_hook``
+                     refuses non-NCCL groups: "requires CUDA 11+ and NCCL 2.10+"), then Lion
+``dlion``            ``DistributedLion(overlap=False)``: the whole exchange in ``step()``
+``dlion_overlap``    ``DistributedLion(overlap=True, bucket_mb=...)``
+``dlion_ddp_hook``   DDP + ``dk.register_ddp_comm_hook(ddp, opt)``
+``dlion_hier``       ``DistributedLion(hierarchy=L)`` (layouts with L > 1)
+``dlion_hier_overlap`` the same with ``overlap=True``
+``hier_fp32``        DDP + a hook written here: reduce-scatter in the node, all-reduce of the
+                     shard across nodes, all-gather in the node (layouts with L > 1), then Lion
+``dec_ring`` ...     ``dk.DecentralizedDataParallel`` with ``AccumAdamW(accum_steps=4)``,
+                     topologies ``ring``, ``one-peer-exp``, ``alternating-exp-ring``
+===================  =========================================================================
+
+A variant the library does not provide yet (feature detection: ``overlap`` / ``hierarchy`` in
+``DistributedLion``'s signature, ``dk.register_ddp_comm_hook``, ``dk.DecentralizedDataParallel``)
+or that does not fit the layout is listed with ``status = "skipped"`` and the reason.
+
+The model: ``--depth`` x (Linear(width, width) + GELU), 24 x 1024 = 25.2M fp32 parameters by
+default, MSE on generated data (one fixed batch per rank, different per rank). One step: [optional
+jitter sleep], forward, backward, ``opt.step()``; each rep starts at a barrier. Timed phases per
+rank: fwd, bwd (includes what DDP / overlap communication the backward waits for), opt.
+``--jitter-ms J`` adds a uniform random 0..J ms sleep per rank per step before the forward (a
+straggler model for the decentralized / runtime-model experiments).
+
+Output (``bench/results/training-<stamp>/`` or ``--out``): ``bench_training.json`` (metadata with
+the command, date, ``uptime`` load before and after, torch version; ``rows``; ``summary``;
+``bucket_fits``; ``raw`` per-rank times), ``bench_training.csv`` (rows), ``bench_training.md``
+(tables) and ``bench_training.png`` (batch sweep: whole-step ratio against D-Lion). Row schema:
+see ``ROW_SCHEMA`` below (also written into the JSON).
+
+    sudo python bench/bench_training.py                  # full sweep, ~25-30 min on 2 quiet cores
+    sudo python bench/bench_training.py --smoke          # tiny model, n = 2, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import network  # noqa: E402
+
+LABELS = {
+    "no_comm": "no comm (D-Lion, local tally)",
+    "ddp_fp32": "DDP fp32 all-reduce",
+    "ddp_fp16": "DDP fp16_compress_hook",
+    "ddp_bf16": "DDP bf16 compress (bench hook)",
+    "dlion": "D-Lion overlap=False",
+    "dlion_overlap": "D-Lion overlap=True",
+    "dlion_ddp_hook": "D-Lion DDP hook",
+    "dlion_hier": "hier. D-Lion",
+    "dlion_hier_overlap": "hier. D-Lion overlap=True",
+    "hier_fp32": "hier. fp32 all-reduce (RS/AR/AG)",
+    "dec_ring": "decentralized ring + AccumAdamW",
+    "dec_one_peer_exp": "decentralized one-peer-exp + AccumAdamW",
+    "dec_alt_exp_ring": "decentralized alt-exp-ring + AccumAdamW",
+}
+VARIANTS = list(LABELS)
+TOPOLOGY = {"dec_ring": "ring", "dec_one_peer_exp": "one-peer-exp",
+            "dec_alt_exp_ring": "alternating-exp-ring"}
+BATCH_SWEEP_VARIANTS = ["no_comm", "ddp_fp32", "ddp_fp16", "ddp_bf16", "dlion", "dlion_overlap"]
+BUCKET_SWEEP_VARIANTS = ["ddp_fp32", "dlion_overlap", "dlion_ddp_hook"]
+
+ROW_SCHEMA = {
+    "n": "ranks (world size)",
+    "nodes": "namespaces (emulated hosts) N; n = N * ranks_per_node",
+    "ranks_per_node": "L, rank processes per namespace (intra-node traffic on its loopback)",
+    "layout": "'flat' (L = 1) or 'NxL'",
+    "rate_gbps": "tbf rate of each node's link, both directions, Gbit/s",
+    "variant": "key (see the module docstring); 'label' is its display name",
+    "sweep": "'main', 'batch' (batch-size sweep) or 'bucket' (bucket_mb sweep)",
+    "status": "'ok' or 'skipped' ('skip_reason' says why; the timing fields are then null)",
+    "params": "model parameters", "batch": "samples per rank per step",
+    "bucket_mb": "bucket size given to DDP / overlap / gossip", "buckets": "buckets used",
+    "buckets_source": "'engine' (read from the object), 'estimate' (greedy over param sizes)",
+    "jitter_ms": "max of the uniform random extra delay per rank per step",
+    "step_ms_median": "median over reps and ranks of a rank's step time",
+    "step_ms_slowest_rank": "median over reps of the slowest rank's step time (the step time)",
+    "step_ms_rank0": "median over reps of rank 0's step time",
+    "own_fwd_ms, own_bwd_ms, own_opt_ms": "this variant's phases, median over reps and ranks",
+    "fwd_ms, bwd_ms, opt_ms": "the same configuration's no_comm phases: compute without comm",
+    "no_comm_ms": "no_comm's step_ms_slowest_rank in the same configuration and batch",
+    "vs_no_comm": "step_ms_slowest_rank / no_comm_ms",
+    "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_dlion - T_no_comm) "
+                       "(T_dlion_hier for dlion_hier_overlap)",
+    "ratio_vs_ddp_fp32": "DDP fp32's step_ms_slowest_rank / this one (> 1: faster than DDP)",
+    "bytes_per_rank": "bytes this rank's collectives send per step (StepStats or formula)",
+    "inter_node_bytes_per_rank": "of those, the bytes sent to other nodes",
+    "bytes_source": "'StepStats', 'formula' or null",
+    "wire_bytes_per_rank": "measured: node veth tx bytes per step / L (inter-node, with headers)",
+    "stats": "the StepStats fields of the last step, when the variant has them",
+    "load_1min": "1-minute load average when the configuration started",
+}
+
+
+# ----------------------------------------------------------------------------- the library
+
+
+def availability(key: str, n: int, L: int) -> str | None:
+    """None if ``key`` can run at this (n, L), else the reason it is skipped."""
+    import dlion_kernels as dk
+
+    sig = inspect.signature(dk.DistributedLion).parameters
+    if key in ("dlion_overlap", "dlion_hier_overlap") and "overlap" not in sig:
+        return "DistributedLion has no overlap= yet (issue 7)"
+    if key == "dlion_ddp_hook" and not hasattr(dk, "register_ddp_comm_hook"):
+        return "dk.register_ddp_comm_hook not in the library yet (issue 7)"
+    if key.startswith(("dlion_hier", "hier_")):
+        if L == 1:
+            return "flat layout (L = 1): hierarchy needs ranks_per_node > 1"
+        if key.startswith("dlion_hier") and "hierarchy" not in sig:
+            return "DistributedLion has no hierarchy= yet (issue 8)"
+    if key.startswith("dec_"):
+        if not (hasattr(dk, "DecentralizedDataParallel") and hasattr(dk, "AccumAdamW")):
+            return "dk.DecentralizedDataParallel / AccumAdamW not in the library yet (issue 9)"
+        if key == "dec_ring" and n % 2:
+            return "ring needs an even n"
+        if key == "dec_one_peer_exp" and n & (n - 1):
+            return "one-peer-exp needs n a power of two"
+        nodes = n // L
+        if key == "dec_alt_exp_ring" and nodes & (nodes - 1):
+            return "alternating-exp-ring needs the node count a power of two"
+    return None
+
+
+def estimate_buckets(sizes_bytes: list[int], bucket_mb: float) -> int:
+    """DDP's rule over parameters in reverse order: a bucket closes once it holds >= cap."""
+    cap, count, cur = bucket_mb * 2**20, 0, 0
+    for b in reversed(sizes_bytes):
+        cur += b
+        if cur >= cap:
+            count, cur = count + 1, 0
+    return count + (cur > 0)
+
+
+def engine_buckets(obj, depth=2):
+    """Number of buckets of a bucket engine reachable from ``obj`` (TEAM.md's Bucket: index,
+    params, offsets, blocks), or None."""
+    seen = set()
+
+    def walk(o, d):
+        if id(o) in seen or d < 0:
+            return None
+        seen.add(id(o))
+        for v in list(getattr(o, "__dict__", {}).values()):
+            if isinstance(v, (list, tuple)) and v and all(
+                    hasattr(b, "blocks") and hasattr(b, "offsets") for b in v):
+                return len(v)
+            if hasattr(v, "__dict__") and not isinstance(v, type) and d > 0:
+                got = walk(v, d - 1)
+                if got:
+                    return got
+        return None
+
+    return walk(obj, depth)
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(cfg_path: str) -> None:
+    """One rank, inside its node's namespace (RANK etc. from the environment)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dlion_kernels as dk
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    L = int(os.environ["LOCAL_WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}:{cfg['port']}",
+                            rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    solo = [dist.new_group([r]) for r in range(n)][rank]  # every rank creates every group
+    if L > 1:
+        intra = [dist.new_group(list(range(s, s + L))) for s in range(0, n, L)][rank // L]
+        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)][rank % L]
+    width, depth, lr = cfg["width"], cfg["depth"], 1e-4
+
+    def tx_bytes() -> int:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    def bf16_hook(state, bucket):
+        buf = bucket.buffer()
+        low = buf.to(torch.bfloat16).div_(n)
+
+        def back(fut):
+            buf.copy_(fut.value()[0])
+            return buf
+
+        return dist.all_reduce(low, async_op=True).get_future().then(back)
+
+    # gloo's reduce-scatter Work has no future to chain on: run each bucket's three
+    # collectives on one thread (one, so buckets keep the same order on every rank)
+    hier_pool = ThreadPoolExecutor(max_workers=1) if L > 1 else None
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def hier_hook(state, bucket):
+        buf = bucket.buffer()
+        fut = torch.futures.Future()
+
+        def run():
+            try:
+                numel, pad = buf.numel(), (-buf.numel()) % L
+                flat = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
+                shard = flat.new_empty(flat.numel() // L)
+                scatter(shard, flat, group=intra)
+                dist.all_reduce(shard, group=inter)
+                shard.div_(n)
+                gather(flat, shard, group=intra)
+                if pad:
+                    buf.copy_(flat[:numel])
+                fut.set_result(buf)
+            except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+                fut.set_exception(e)
+
+        hier_pool.submit(run)
+        return fut
+
+    def build(case):
+        """(model to call, optimizer or None, object holding stats, finish())."""
+        key, bucket_mb = case["variant"], case["bucket_mb"]
+        torch.manual_seed(0)  # identical initial parameters on every rank
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        model = torch.nn.Sequential(*layers)
+        params = list(model.parameters())
+        lion = lambda ps: dk.DistributedLion(ps, lr=lr, votes="ternary", group=solo)  # noqa: E731
+        if key == "no_comm":
+            return model, dk.DistributedLion(params, lr=lr, group=solo), None
+        if key.startswith("ddp_") or key == "hier_fp32":
+            ddp = DDP(model, bucket_cap_mb=bucket_mb)
+            if key == "ddp_fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif key == "ddp_bf16":
+                ddp.register_comm_hook(None, bf16_hook)
+            elif key == "hier_fp32":
+                ddp.register_comm_hook(None, hier_hook)
+            return ddp, lion(params), ddp
+        if key == "dlion":
+            return model, dk.DistributedLion(params, lr=lr), None
+        if key == "dlion_overlap":
+            opt = dk.DistributedLion(params, lr=lr, overlap=True, bucket_mb=bucket_mb)
+            return model, opt, opt
+        if key == "dlion_ddp_hook":
+            ddp = DDP(model, bucket_cap_mb=bucket_mb)
+            opt = dk.DistributedLion(ddp.parameters(), lr=lr)
+            dk.register_ddp_comm_hook(ddp, opt)
+            return ddp, opt, ddp
+        if key.startswith("dlion_hier"):
+            kw = {"overlap": True, "bucket_mb": bucket_mb} if key.endswith("overlap") else {}
+            opt = dk.DistributedLion(params, lr=lr, hierarchy=L, **kw)
+            return model, opt, opt
+        if key.startswith("dec_"):
+            ddp = dk.DecentralizedDataParallel(
+                model, optimizer_fn=lambda ps: dk.AccumAdamW(ps, lr=lr, accum_steps=4),
+                topology=TOPOLOGY[key], bucket_mb=bucket_mb)
+            return ddp, None, ddp
+        raise ValueError(f"unknown variant {key!r}")
+
+    results = []
+    for case in cfg["cases"]:
+        res = {"index": case["index"]}
+        try:
+            model, opt, holder = build(case)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            # raised alike on every rank before any collective of the variant
+            res["skip_reason"] = f"{type(e).__name__}: {e}"
+            results.append(res)
+            continue
+        gen = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(case["batch"], width, generator=gen)
+        y = torch.randn(case["batch"], width, generator=gen)
+        jit = random.Random(7919 * rank + case["index"])
+        reps, warmup = cfg["reps"], cfg["warmup"]
+        times = []  # per rep: step, fwd, bwd, opt (s)
+        wire0 = 0
+        for i in range(warmup + reps):
+            if i == warmup:
+                dist.barrier()
+                wire0 = tx_bytes() if local_rank == 0 else 0
+            dist.barrier()
+            t0 = time.perf_counter()
+            if case["jitter_ms"] > 0:
+                time.sleep(jit.uniform(0, case["jitter_ms"]) / 1e3)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if opt is not None:
+                opt.step()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                times.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
+        dist.barrier()
+        wire = (tx_bytes() - wire0) if local_rank == 0 else 0
+        if hasattr(holder, "synchronize"):
+            holder.synchronize()  # decentralized: finish the outstanding gossip
+        # DDP variants step a local Lion on a one-rank group: its stats say 0 bytes, not DDP's
+        stats = (None if case["variant"].startswith("ddp_") or case["variant"] == "hier_fp32"
+                 else getattr(opt, "last_stats", None) or getattr(holder, "last_stats", None))
+        everyone = torch.empty(n * (reps * 4 + 1), dtype=torch.float64)
+        gather(everyone, torch.tensor(sum(times, []) + [float(wire)], dtype=torch.float64))
+        per_rank = everyone.view(n, reps * 4 + 1)
+        res["times"] = per_rank[:, :-1].reshape(n, reps, 4).tolist()
+        res["wire_bytes_total"] = float(per_rank[:, -1].sum())
+        if stats is not None:
+            import dataclasses
+
+            res["stats"] = (dataclasses.asdict(stats) if dataclasses.is_dataclass(stats)
+                            else dict(vars(stats)))
+        counted = engine_buckets(holder) if holder is not None else None
+        if counted is None and isinstance(holder, DDP):
+            try:
+                counted = int(holder._get_ddp_logging_data().get("num_buckets_reduced") or 0) \
+                    or None
+            except Exception:  # noqa: BLE001 - private API; the estimate is used instead
+                counted = None
+        res["buckets_counted"] = counted
+        res["params"] = sum(p.numel() for p in model.parameters())
+        results.append(res)
+        del model, opt, holder
+        gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(cfg["result"], "w") as f:
+            json.dump(results, f)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def load_1min() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"load average {load_1min()}"
+
+
+def bytes_formula(key: str, n: int, L: int, d: int, stats: dict | None):
+    """(bytes per rank, inter-node bytes per rank, source)."""
+    if stats and "bytes_sent" in stats:
+        inter = next((stats[k] for k in ("inter_bytes_sent", "bytes_sent_inter",
+                                          "inter_node_bytes_sent") if k in stats), None)
+        if inter is None and L == 1:
+            inter = stats["bytes_sent"]
+        return stats["bytes_sent"], inter, "StepStats"
+    N = n // L
+    ring = lambda m, width: round(2 * (m - 1) / m * width * d) if m > 1 else 0  # noqa: E731
+    if key in ("ddp_fp32", "ddp_fp16", "ddp_bf16"):
+        b = ring(n, 4 if key == "ddp_fp32" else 2)
+        # a flat ring over N nodes x L ranks: in the best rank order 2(N-1)/N of the data
+        # per node crosses nodes, shared by its L ranks (the wire counter says what happened)
+        return b, (b if L == 1 else None), "formula"
+    if key == "hier_fp32":
+        intra = 2 * round((L - 1) / L * 4 * d)
+        inter = ring(N, 4 / L)
+        return intra + inter, inter, "formula"
+    if key in ("dec_ring", "dec_one_peer_exp"):
+        return ring(2, 4), ring(2, 4) if L == 1 else None, "formula"
+    return None, None, None
+
+
+def median(xs):
+    return common.median(xs) if xs else None
+
+
+def summarize(case: dict, res: dict, n: int, L: int, rate: float, load: float,
+              d_params: int) -> dict:
+    key = case["variant"]
+    row = {"n": n, "nodes": n // L, "ranks_per_node": L,
+           "layout": "flat" if L == 1 else f"{n // L}x{L}", "rate_gbps": rate,
+           "variant": key, "label": LABELS[key], "sweep": case["sweep"], "batch": case["batch"],
+           "bucket_mb": case["bucket_mb"], "jitter_ms": case["jitter_ms"], "params": d_params,
+           "load_1min": load}
+    reason = case.get("skip_reason") or (res or {}).get("skip_reason")
+    if reason or res is None:
+        row.update(status="skipped", skip_reason=reason or "no result")
+        return row
+    t = res["times"]  # [rank][rep][step, fwd, bwd, opt]
+    reps = len(t[0])
+    steps = [[t[r][k][0] for r in range(n)] for k in range(reps)]
+    phase = lambda j: 1e3 * median([t[r][k][j] for r in range(n) for k in range(reps)])  # noqa
+    row.update(
+        status="ok", skip_reason=None, params=res["params"],
+        step_ms_median=1e3 * median([s for rep in steps for s in rep]),
+        step_ms_slowest_rank=1e3 * median([max(rep) for rep in steps]),
+        step_ms_rank0=1e3 * median([rep[0] for rep in steps]),
+        own_fwd_ms=phase(1), own_bwd_ms=phase(2), own_opt_ms=phase(3),
+        wire_bytes_per_rank=res["wire_bytes_total"] / (n * reps),
+        stats=res.get("stats"))
+    b, inter, src = bytes_formula(key, n, L, res["params"], res.get("stats"))
+    row.update(bytes_per_rank=b, inter_node_bytes_per_rank=inter, bytes_source=src)
+    if res.get("buckets_counted"):
+        row.update(buckets=res["buckets_counted"], buckets_source="engine")
+    elif key.startswith(("ddp_", "dec_")) or key in ("hier_fp32", "dlion_overlap",
+                                                      "dlion_ddp_hook", "dlion_hier_overlap"):
+        sizes = [4 * case["width"] * case["width"], 4 * case["width"]] * case["depth"]
+        row.update(buckets=estimate_buckets(sizes, case["bucket_mb"]), buckets_source="estimate")
+    return row
+
+
+def derive(rows: list[dict]) -> None:
+    """Fill fields that compare a row with others of the same configuration."""
+    def same(r, key):
+        return next((x for x in rows if x["status"] == "ok" and x["variant"] == key and all(
+            x[k] == r[k] for k in ("n", "ranks_per_node", "rate_gbps", "batch", "jitter_ms"))
+            and (x["bucket_mb"] == r["bucket_mb"] or key in ("no_comm", "dlion"))), None)
+
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        nc, dl, ddp = same(r, "no_comm"), same(r, "dlion"), same(r, "ddp_fp32")
+        if ddp is None:  # the bucket sweep: compare with the default bucket size's DDP
+            ddp = next((x for x in rows if x["status"] == "ok" and x["variant"] == "ddp_fp32"
+                        and x["sweep"] == "main" and x["n"] == r["n"]
+                        and x["ranks_per_node"] == r["ranks_per_node"]
+                        and x["rate_gbps"] == r["rate_gbps"]), None)
+        if nc:
+            r.update(fwd_ms=nc["own_fwd_ms"], bwd_ms=nc["own_bwd_ms"], opt_ms=nc["own_opt_ms"],
+                     no_comm_ms=nc["step_ms_slowest_rank"],
+                     vs_no_comm=r["step_ms_slowest_rank"] / nc["step_ms_slowest_rank"])
+        if ddp:
+            r["ratio_vs_ddp_fp32"] = ddp["step_ms_slowest_rank"] / r["step_ms_slowest_rank"]
+        if r["variant"] == "dlion_hier_overlap":
+            dl = same(r, "dlion_hier")  # hierarchical overlap against hierarchical without
+        if nc and dl and r["variant"] in ("dlion_overlap", "dlion_ddp_hook",
+                                          "dlion_hier_overlap"):
+            exposed_off = dl["step_ms_slowest_rank"] - nc["step_ms_slowest_rank"]
+            if exposed_off > 0:
+                r["hidden_fraction"] = 1 - (r["step_ms_slowest_rank"]
+                                            - nc["step_ms_slowest_rank"]) / exposed_off
+
+
+def bucket_fits(rows: list[dict]) -> list[dict]:
+    """Least squares fit step_ms = a + b * buckets per (variant, n, rate) of the bucket sweep."""
+    fits = []
+    groups = {}
+    for r in rows:
+        if r["status"] == "ok" and r.get("buckets") and r["variant"] in BUCKET_SWEEP_VARIANTS \
+                and r["jitter_ms"] == 0:
+            groups.setdefault((r["variant"], r["n"], r["ranks_per_node"], r["rate_gbps"],
+                               r["batch"]), []).append(r)
+    for (key, n, L, rate, batch), rs in groups.items():
+        pts = sorted({(r["bucket_mb"], r["buckets"], r["step_ms_slowest_rank"]) for r in rs})
+        if len({p[1] for p in pts}) < 2:
+            continue
+        xs, ys = [p[1] for p in pts], [p[2] for p in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fits.append({"variant": key, "n": n, "ranks_per_node": L, "rate_gbps": rate,
+                     "batch": batch, "points": len(pts), "a_ms": my - b * mx,
+                     "ms_per_bucket": b, "bucket_mb": [p[0] for p in pts],
+                     "buckets": xs, "step_ms": [round(y, 1) for y in ys]})
+    return fits
+
+
+def plan_cases(args, n: int, L: int, rate: float, variants: list[str]) -> list[dict]:
+    base = {"width": args.width, "depth": args.depth, "jitter_ms": args.jitter_ms}
+    cases = [dict(base, variant=v, batch=args.batch, bucket_mb=args.bucket_mb, sweep="main")
+             for v in variants]
+    if L == 1 and n == args.sweep_n:
+        for b in args.batches:
+            if b != args.batch:
+                cases += [dict(base, variant=v, batch=b, bucket_mb=args.bucket_mb,
+                               sweep="batch") for v in BATCH_SWEEP_VARIANTS if v in variants]
+        if rate in args.bucket_sweep_rates:
+            for mb in args.bucket_mbs:
+                if mb != args.bucket_mb:
+                    cases += [dict(base, variant=v, batch=args.batch, bucket_mb=mb,
+                                   sweep="bucket") for v in BUCKET_SWEEP_VARIANTS
+                              if v in variants]
+    for c in cases:
+        c["skip_reason"] = availability(c["variant"], n, L)
+    return cases
+
+
+def run_config(nodes, L, rate, args, tmp, timeout) -> tuple[list[dict], list[dict], dict]:
+    n = nodes * L
+    variants = args.variants if L == 1 else args.hier_variants
+    cases = plan_cases(args, n, L, rate, variants)
+    runnable = [c for c in cases if not c["skip_reason"]]
+    for i, c in enumerate(runnable):
+        c["index"] = i
+    load = load_1min()
+    results: dict = {}
+    info = {}
+    if runnable:
+        with network.Topology(nodes, rate * 1000, args.delay_ms, ranks_per_node=L,
+                              prefix="dlbt") as topo:
+            label = f"-{nodes}x{L}-{rate:g}"
+            cfg = {"master": topo.addrs[0],
+                   "port": 20000 + int.from_bytes(os.urandom(2), "little") % 30000,
+                   "width": args.width, "depth": args.depth, "warmup": args.warmup,
+                   "reps": args.reps, "timeout": max(120, int(timeout)), "cases": runnable,
+                   "result": os.path.join(tmp, f"result{label}.json")}
+            cfg_path = os.path.join(tmp, f"cfg{label}.json")
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f)
+            env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+            topo.launch(lambda r: [sys.executable, os.path.abspath(__file__), "--worker",
+                                   cfg_path], env, tmp, timeout, label=label)
+            info = {"shaper": topo.shaper, "netem_error": topo.netem_error,
+                    "subnet": topo.subnet}
+            with open(cfg["result"]) as f:
+                results = {r["index"]: r for r in json.load(f)}
+    d = args.depth * (args.width * args.width + args.width)
+    rows = [summarize(c, results.get(c.get("index")), n, L, rate, load, d) for c in cases]
+    raw = [{"n": n, "ranks_per_node": L, "rate_gbps": rate, "variant": c["variant"],
+            "batch": c["batch"], "bucket_mb": c["bucket_mb"],
+            "times_s_rank_rep_step_fwd_bwd_opt": results[c["index"]].get("times")}
+           for c in runnable if c["index"] in results]
+    return rows, raw, info
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            nodes, L = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--layouts: {item!r} is not NODESxRANKS_PER_NODE (e.g. 4x1,2x2)")
+        if nodes < 1 or L < 1 or nodes * L < 2:
+            raise SystemExit(f"--layouts: {item!r} needs >= 1 node, >= 1 rank, >= 2 ranks")
+        out.append((nodes, L))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(ap)
+    ap.add_argument("--layouts", default="2x1,4x1,8x1,2x2,4x2,2x4",
+                    help="NODESxRANKS_PER_NODE list; 4x1 = 4 namespaces of 1 rank (flat n = 4)")
+    ap.add_argument("--rates-gbit", type=float, nargs="+", default=[1.0, 10.0])
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS),
+                    help="variants for flat layouts (L = 1)")
+    ap.add_argument("--hier-variants", default="no_comm,ddp_fp32,dlion,dlion_overlap,"
+                    "dlion_hier,dlion_hier_overlap,hier_fp32,dec_alt_exp_ring",
+                    help="variants for layouts with L > 1")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batches", default="8,16,32,64,128",
+                    help="batch sweep (flat n = --sweep-n, every rate)")
+    ap.add_argument("--sweep-n", type=int, default=4)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mbs", default="2,8,16,32,100",
+                    help="bucket_mb sweep (flat n = --sweep-n, --bucket-sweep-rates)")
+    ap.add_argument("--bucket-sweep-rates", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--jitter-ms", type=float, default=0.0,
+                    help="uniform random 0..J ms extra delay per rank per step (stragglers)")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay (needs sch_netem, else recorded as missing)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help=">= 2: the overlap engines record the gradient order on the first step")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=2400.0,
+                    help="configurations not started by then are skipped and listed")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        worker(args.worker)
+        return 0
+    if args.smoke:
+        args.layouts, args.rates_gbit = "2x1,1x2", [1.0]
+        args.width, args.depth, args.batch, args.batches = 256, 4, 8, "8,16"
+        args.sweep_n, args.bucket_mbs, args.bucket_mb = 2, "0.25", 1.0
+        args.warmup, args.reps = 2, 2
+        args.hier_variants = "no_comm,ddp_fp32,dlion,hier_fp32,dlion_hier"
+    layouts = parse_layouts(args.layouts)
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.hier_variants = [v for v in args.hier_variants.split(",") if v]
+    for v in args.variants + args.hier_variants:
+        if v not in LABELS:
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.bucket_mbs = [float(b) for b in args.bucket_mbs.split(",") if b]
+
+    try:
+        network.check_privileges("dlbt")
+    except network.Skip as e:
+        print(f"bench_training skipped: {e}")
+        return 0
+    network.install_signal_handlers()
+    start = time.time()
+    up_before = uptime()
+    out_dir = common.results_dir("training", args.out)
+    d = args.depth * (args.width * args.width + args.width)
+    print(f"bench_training: {d / 1e6:.1f}M params ({d:,}; {args.depth} x Linear({args.width})"
+          f"), layouts {args.layouts}, rates {args.rates_gbit} Gbit/s -> {out_dir}\n"
+          f"{up_before}", flush=True)
+
+    rows, raw, skipped, infos = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench_training-") as tmp:
+        for rate in args.rates_gbit:
+            for nodes, L in layouts:
+                left = args.budget_s - (time.time() - start)
+                if left <= 0:
+                    skipped.append({"layout": f"{nodes}x{L}", "rate_gbps": rate,
+                                    "reason": "time budget spent"})
+                    continue
+                t0 = time.time()
+                got, got_raw, info = run_config(nodes, L, rate, args, tmp,
+                                                timeout=min(3600, left + 300))
+                rows += got
+                raw += got_raw
+                infos.append(dict(info, layout=f"{nodes}x{L}", rate_gbps=rate))
+                ok = [r for r in got if r["status"] == "ok"]
+                print(f"  {rate:g} Gbit/s {nodes}x{L}: {len(ok)} cases in "
+                      f"{time.time() - t0:.0f} s (load {got[0]['load_1min'] if got else '-'})",
+                      flush=True)
+                for r in ok:
+                    if r["sweep"] == "main":
+                        print(f"    {r['label']:<40} {r['step_ms_slowest_rank']:8.1f} ms",
+                              flush=True)
+    derive(rows)
+    fits = bucket_fits(rows)
+    up_after = uptime()
+
+    meta = common.metadata({
+        "benchmark": "bench_training", "uptime_before": up_before, "uptime_after": up_after,
+        "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
+                     "intra-node traffic on the namespace's loopback",
+        "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
+        "params": d, "threads_per_rank": 1, "args": vars(args)})
+    notes = [
+        f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
+        "compare every variant with no_comm of the same configuration, not across n",
+        "step time = median over reps of the slowest rank (each rep starts at a barrier)",
+        "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's veth",
+        "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
+        "written here (cast to bf16, all_reduce, cast back)",
+        f"uptime before: {up_before}; after: {up_after}",
+    ]
+    if any(i.get("netem_error") for i in infos):
+        notes.append("netem unavailable: no delay emulated, tbf rate limit only")
+    common.save(out_dir, "bench_training", rows, meta, row_schema=ROW_SCHEMA,
+                bucket_fits=fits, skipped=skipped, notes=notes, links=infos, raw=raw)
+    text = markdown(rows, fits, meta, notes, skipped, time.time() - start, out_dir)
+    common.save_text(out_dir, "bench_training.md", text)
+    print(text)
+    common.plot_unless(args.no_plot, lambda: plot(rows, out_dir, d))
+    return 0
+
+
+def markdown(rows, fits, meta, notes, skipped, wall, out_dir) -> str:
+    md = [f"# bench_training ({meta['date']}, {meta['cpu_model']}, {meta['cpu_count']} cores, "
+          f"{meta['model']}, {meta['params'] / 1e6:.1f}M params, torch "
+          f"{meta['torch']})\n", f"Command: `{meta['command']}`\n",
+          f"Load: before `{meta['uptime_before']}`; after `{meta['uptime_after']}`\n"]
+    main_rows = [r for r in rows if r["sweep"] == "main" and r["status"] == "ok"]
+    md.append(common.markdown_table(main_rows, [
+        ("rate_gbps", "Gbit/s"), ("layout", "layout"), ("n", "n"), ("label", "variant"),
+        ("step_ms_slowest_rank", "step ms (slowest)", ".0f"),
+        ("step_ms_median", "step ms (median rank)", ".0f"),
+        ("own_fwd_ms", "fwd", ".0f"), ("own_bwd_ms", "bwd", ".0f"),
+        ("own_opt_ms", "opt", ".0f"), ("vs_no_comm", "x no comm", ".2f"),
+        ("ratio_vs_ddp_fp32", "DDP fp32 / this", ".2f"),
+        ("hidden_fraction", "comm hidden", ".2f"),
+        ("bytes_per_rank", "bytes/rank"), ("wire_bytes_per_rank", "veth bytes/rank", ".3g"),
+        ("load_1min", "load")], title="Whole training steps (slowest rank, median)"))
+    batch = [r for r in rows if r["status"] == "ok" and r["variant"] in BATCH_SWEEP_VARIANTS
+             and r["sweep"] in ("main", "batch") and r["ranks_per_node"] == 1
+             and any(x["sweep"] == "batch" and x["n"] == r["n"] for x in rows)]
+    if batch:
+        md.append(common.markdown_table(sorted(batch, key=lambda r: (
+            r["rate_gbps"], r["batch"], VARIANTS.index(r["variant"]))), [
+            ("rate_gbps", "Gbit/s"), ("n", "n"), ("batch", "batch"), ("label", "variant"),
+            ("step_ms_slowest_rank", "step ms", ".0f"), ("vs_no_comm", "x no comm", ".2f"),
+            ("ratio_vs_ddp_fp32", "DDP fp32 / this", ".2f")], title="Batch-size sweep"))
+    if fits:
+        md.append(common.markdown_table(fits, [
+            ("variant", "variant"), ("n", "n"), ("rate_gbps", "Gbit/s"),
+            ("buckets", "buckets"), ("step_ms", "step ms"), ("a_ms", "a ms", ".0f"),
+            ("ms_per_bucket", "ms per bucket (b)", ".2f")],
+            title="Fixed cost per bucket: step_ms = a + b * buckets (least squares)"))
+    skips = [r for r in rows if r["status"] == "skipped"]
+    if skips:
+        seen = {}
+        for r in skips:
+            seen.setdefault((r["label"], r["skip_reason"]), []).append(
+                f"{r['layout']}/{r['rate_gbps']:g}")
+        md.append("### Skipped variants\n\n" + "\n".join(
+            f"- {lab}: {why} ({', '.join(sorted(set(w)))})" for (lab, why), w in seen.items())
+            + "\n")
+    md.append("### Notes\n\n" + "\n".join(f"- {x}" for x in notes) + "\n")
+    if skipped:
+        md.append("### Configurations not run\n\n" + "\n".join(
+            f"- {s['layout']} at {s['rate_gbps']:g} Gbit/s: {s['reason']}" for s in skipped)
+            + "\n")
+    md.append(f"Total wall time: {wall:.0f} s. Results: {out_dir}\n")
+    return "\n".join(md)
+
+
+def plot(rows: list[dict], out_dir: str, d: int) -> str | None:
+    """Batch sweep: whole-step time of DDP fp32 / fp16 / bf16 over D-Lion's (overlap if it ran,
+    else overlap=False), one panel per rate."""
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    ok = [r for r in rows if r["status"] == "ok" and r["ranks_per_node"] == 1
+          and r["sweep"] in ("main", "batch") and r["jitter_ms"] == 0]
+    rates = sorted({r["rate_gbps"] for r in ok})
+    if not rates:
+        return None
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.2 * len(rates), 4.0), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        here = [r for r in ok if r["rate_gbps"] == rate]
+        ns = sorted({r["n"] for r in here if r["sweep"] == "batch"}) or sorted(
+            {r["n"] for r in here})
+        here = [r for r in here if r["n"] == ns[0]]
+        ref_key = "dlion_overlap" if any(r["variant"] == "dlion_overlap" for r in here) \
+            else "dlion"
+        ref = {r["batch"]: r["step_ms_slowest_rank"] for r in here if r["variant"] == ref_key}
+        for key in ("ddp_fp32", "ddp_fp16", "ddp_bf16", "no_comm"):
+            pts = sorted((r["batch"], r["step_ms_slowest_rank"] / ref[r["batch"]])
+                         for r in here if r["variant"] == key and r["batch"] in ref)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=f"{LABELS[key]} / {LABELS[ref_key]}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        batches = sorted({r["batch"] for r in here})
+        ax.set_xticks(batches)
+        ax.set_xticklabels([str(b) for b in batches])
+        ax.minorticks_off()
+        common.log_ms_axis(ax.yaxis)
+        ax.set_xlabel("batch per rank")
+        ax.set_ylabel("whole-step time ratio (>1: D-Lion faster)")
+        ax.set_title(f"{rate:g} Gbit/s, n = {ns[0]}, {d / 1e6:.1f}M params")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    return common.save_figure(fig, out_dir, "bench_training")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as e:
+        print(f"bench_training interrupted ({e or 'SIGINT'}); namespaces removed",
+              file=sys.stderr)
+        sys.exit(130)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        sys.exit(1)

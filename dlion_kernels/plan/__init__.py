@@ -1,0 +1,33 @@
+"""The runtime model (seed 2): predicted step time of every strategy, and the fastest.
+
+``predict`` needs numbers only; nothing here imports torch. ``python -m dlion_kernels.plan
+--measure`` (``measure.py``) alone imports torch and the exchange to calibrate on a real group.
+"""
+
+from .model import (
+    TOPOLOGIES,
+    Calibration,
+    Row,
+    best,
+    choose_hierarchy,
+    choose_strategy,
+    expected_max,
+    inputs_from_json,
+    parse_size,
+    predict,
+    topology_problem,
+)
+
+__all__ = [
+    "TOPOLOGIES",
+    "Calibration",
+    "Row",
+    "best",
+    "choose_hierarchy",
+    "choose_strategy",
+    "expected_max",
+    "inputs_from_json",
+    "parse_size",
+    "predict",
+    "topology_problem",
+]

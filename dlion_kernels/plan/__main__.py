@@ -1,0 +1,201 @@
+"""``python -m dlion_kernels.plan``: which strategy is fastest on this cluster?
+
+    python -m dlion_kernels.plan --params 124M --ranks 32 --ranks-per-node 8 --inter-gbps 25 \\
+        --intra-gbps 1600 --latency-us 30 --fwd-ms 80 --bwd-ms 160 [--jitter-ms 10] [--json]
+    torchrun --nproc-per-node 4 -m dlion_kernels.plan --measure --params 124M
+
+Prints the predicted step of every strategy, fastest first, and names the fastest. ``--json``
+prints ``{"rows": [...], "best": "<strategy>", "inputs": {...}}``. ``--measure`` calibrates the
+links, the collectives and the compute on the running group first (only that path imports torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .model import (
+    ALGORITHMS,
+    JITTER_DISTS,
+    MODES,
+    OPT_BYTES_PER_PARAM,
+    TOPOLOGIES,
+    best,
+    parse_size,
+    predict,
+)
+
+COLUMNS = [  # (header, row field, scale, format)
+    ("strategy", "strategy", None, "{}"),
+    ("step ms", "step_ms", 1, "{:.1f}"),
+    ("compute ms", "compute_ms", 1, "{:.1f}"),
+    ("wait ms", "wait_ms", 1, "{:.1f}"),
+    ("comm ms", "comm_ms", 1, "{:.1f}"),
+    ("exposed ms", "exposed_comm_ms", 1, "{:.1f}"),
+    ("MB/rank", "bytes_per_rank", 1e-6, "{:.2f}"),
+    ("intra MB", "intra_bytes_per_rank", 1e-6, "{:.2f}"),
+    ("inter MB", "inter_bytes_per_rank", 1e-6, "{:.2f}"),
+    ("buckets", "buckets", None, "{}"),
+]
+
+LEGEND = """\
+step ms: predicted time of one training step (slowest rank); compute ms: fwd + bwd + optimizer
+of one rank; wait ms: expected wait for the slowest rank it synchronises with (all n, or the
+gossip group); comm ms: all its collectives back to back; exposed ms: the part of comm ms the
+step waits for (the rest hides behind backward, or a whole iteration for gossip); MB/rank: bytes
+each rank sends per step (10^6), split into intra-node and inter-node links."""
+
+
+def table(rows) -> str:
+    """Markdown table of rows (Row objects or dicts)."""
+    dicts = [r if isinstance(r, dict) else r.as_dict() for r in rows]
+    head = "| " + " | ".join(h for h, *_ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" if f == "strategy" else "---:" for _, f, *_ in COLUMNS) + "|"
+    lines = [head, sep]
+    for d in dicts:
+        cells = [fmt.format(d[f] * s if s else d[f]) for _, f, s, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _size(name):
+    def parse(text):
+        try:
+            return parse_size(text, name)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def _list(allowed, name):
+    def parse(text):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{name}: unknown {bad}; allowed: "
+                                             f"{', '.join(allowed)}")
+        return items
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dlion_kernels.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=_size("--params"), required=True,
+                   help="parameter count, suffixes K, M, G as powers of ten (124M)")
+    p.add_argument("--ranks", type=int, help="n, total ranks (with --measure: the world size)")
+    p.add_argument("--ranks-per-node", type=int, help="L, ranks per node (default 1; with "
+                   "--measure: measured)")
+    p.add_argument("--inter-gbps", type=float, help="each node's link to the others, Gbit/s")
+    p.add_argument("--intra-gbps", type=float,
+                   help="each rank's link inside its node, Gbit/s (default: --inter-gbps)")
+    p.add_argument("--latency-us", type=float, help="inter-node latency per message (30)")
+    p.add_argument("--intra-latency-us", type=float,
+                   help="intra-node latency per message (default min(5, --latency-us))")
+    p.add_argument("--fwd-ms", type=float, help="forward time per step and rank")
+    p.add_argument("--bwd-ms", type=float, help="backward time per step and rank")
+    p.add_argument("--opt-ms", type=float, help="one optimizer pass over all parameters "
+                   "(default: 20.5 bytes per parameter at --mem-gbs)")
+    p.add_argument("--mem-gbs", type=float, default=1000.0,
+                   help="memory bandwidth in GB/s for the default --opt-ms (1000)")
+    p.add_argument("--jitter-ms", type=float, help="extra compute delay per rank and step (0)")
+    p.add_argument("--jitter-dist", choices=JITTER_DISTS, help="uniform on [0, jitter] "
+                   "(default) or normal with sigma = jitter")
+    p.add_argument("--cpu-gbs", type=float, help="host processing rate per rank, GB/s, for "
+                   "the bytes a collective sends or sums (default: free, as with NCCL/RDMA)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, MB (25)")
+    p.add_argument("--tensors", type=int, default=1, help="tensor count, for padding (1)")
+    p.add_argument("--grad-dtype", default="fp32", help="gradient dtype (fp32)")
+    p.add_argument("--param-dtype", default="fp32", help="parameter dtype (fp32)")
+    p.add_argument("--gossip-dtype", default="fp32", help="decentralized gossip dtype (fp32)")
+    p.add_argument("--algorithm", choices=ALGORITHMS,
+                   help="all-reduce algorithm: auto = faster of ring and tree (NCCL); ring "
+                        "(gloo). Default auto, ring with --measure on gloo")
+    p.add_argument("--modes", type=_list(MODES, "--modes"), default=["vote"],
+                   help="D-Lion modes to list, comma separated (vote)")
+    p.add_argument("--topologies", type=_list(TOPOLOGIES, "--topologies"),
+                   help="decentralized topologies (default: every one that fits)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--measure", action="store_true",
+                   help="calibrate on the running torchrun group, then predict")
+    p.add_argument("--reps", type=int, default=3, help="--measure: repetitions per timing (3)")
+    return p
+
+
+INPUT_NAMES = ["ranks", "ranks_per_node", "inter_gbps", "intra_gbps", "latency_us",
+               "intra_latency_us", "fwd_ms", "bwd_ms", "opt_ms", "jitter_ms", "jitter_dist",
+               "algorithm"]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {k: getattr(args, k) for k in INPUT_NAMES if getattr(args, k) is not None}
+    measured = {}
+    if args.measure:
+        import torch.distributed as dist
+
+        from .measure import measure  # torch and the exchange: only here
+
+        try:
+            measured = measure(args.params, reps=args.reps,
+                               ranks_per_node=given.get("ranks_per_node"))
+        except ValueError as e:
+            parser.error(str(e))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if measured is None:  # not rank 0: the table is printed once
+            return 0
+    inputs = {"ranks_per_node": 1, "latency_us": 30.0, "jitter_ms": 0.0,
+              "jitter_dist": "uniform", "algorithm": "auto"}
+    inputs.update({k: v for k, v in measured.items() if k in INPUT_NAMES})
+    inputs.update(given)  # what the user states wins over what was measured
+    missing = [f"--{k.replace('_', '-')}" for k in ("ranks", "inter_gbps", "fwd_ms", "bwd_ms")
+               if k not in inputs]
+    if missing:
+        parser.error(f"the following arguments are required (or use --measure under torchrun): "
+                     f"{', '.join(missing)}")
+    if "opt_ms" not in inputs and args.mem_gbs > 0:  # stated, so the output shows it
+        inputs["opt_ms"] = args.params * OPT_BYTES_PER_PARAM / (args.mem_gbs * 1e9) * 1e3
+    options = dict(mem_gbs=args.mem_gbs, cpu_gbs=args.cpu_gbs, bucket_mb=args.bucket_mb, tensors=args.tensors,
+                   grad_dtype=args.grad_dtype, param_dtype=args.param_dtype,
+                   gossip_dtype=args.gossip_dtype, modes=args.modes, topologies=args.topologies,
+                   calibration=measured.get("calibration"))
+    try:
+        rows = predict(args.params, **inputs, **options)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    name = best(rows)
+    if args.json:
+        out = {"rows": [r.as_dict() for r in rows], "best": name,
+               "inputs": {"params": args.params, **inputs,
+                          **{k: v for k, v in options.items() if k != "calibration"}}}
+        if measured:
+            out["measured"] = {k: (v.__dict__ if k == "calibration" else v)
+                               for k, v in measured.items()}
+        print(json.dumps(out, indent=2))
+        return 0
+    described = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in {"params": args.params, **inputs}.items())
+    if measured:
+        print("measured on this group: " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in measured.items() if k != "calibration"))
+        cal = measured["calibration"]
+        print("collective scales (latency, bandwidth): " + ", ".join(
+            f"{k}=({cal.lat_scale[k]:.2f}, {cal.bw_scale[k]:.2f})" for k in cal.lat_scale))
+    print(f"inputs: {described}")
+    print(table(rows))
+    fp32 = next((r for r in rows if r.strategy == "allreduce-fp32"), None)
+    line = f"fastest: {name} ({rows[0].step_ms:.1f} ms per step"
+    if fp32 is not None and name != "allreduce-fp32":
+        line += f"; {fp32.step_ms / rows[0].step_ms:.2f}x faster than allreduce-fp32"
+    print(line + ")")
+    print(LEGEND)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,720 @@
+"""The runtime model: predicted time of one training step for every strategy the library runs.
+
+Pure Python (no torch): it needs numbers, not tensors. Units: times in ms, link speeds in
+Gbit/s (10^9 bit/s), sizes and bytes in powers of ten (``124M`` = 124 * 10^6).
+
+Cluster. n ranks in nodes of L consecutive ranks (N = n / L nodes). Two link classes, each an
+alpha-beta link (``t = alpha + bytes / beta``):
+
+- intra-node: every rank has ``intra_gbps`` into the node's fabric (NVLink, PCIe, loopback);
+- inter-node: every node has ``inter_gbps`` to the switch (full duplex), SHARED by the streams
+  of its L ranks that leave the node at the same time (8 NICs of 400 Gbit/s: 3200).
+
+Collectives (the algorithms gloo and NCCL run; p ranks, S bytes, chunk c per step):
+
+- ring all-reduce: 2 (p-1) steps of c = S/p; reduce-scatter and all-gather: p-1 steps each.
+  A step takes alpha + c / beta of its slowest hop. A ring laid over consecutive ranks crosses
+  each node boundary once, so a node's NIC carries one chunk per step per ring that crosses it.
+- tree all-reduce (NCCL's double binary tree, pipelined): 2 ceil(log2 p) alpha + 2 S / beta.
+  ``algorithm="auto"`` takes the faster of ring and tree for every all-reduce, as NCCL does.
+- all_to_all_single (pairwise, all sends posted at once): one alpha, then the larger of the
+  intra bytes over the rank's intra link and the node's inter bytes over its NIC.
+
+A collective's time is ``lat_scale * latency terms + bw_scale * bandwidth terms`` (both scales 1
+unless ``--measure`` fitted them on a real group: ``calibration``) ; the host's work on the bytes
+the rank sends or sums at ``cpu_gbs`` GB/s (none by default; it matters for gloo on CPU cores)
+overlaps the transfer: the bandwidth term is the larger of the two.
+
+Compute. fwd, bwd and optimizer (``opt_ms``: one pass of the optimizer over all parameters) per
+rank, plus a random extra delay per rank and step (``jitter_ms``: uniform on [0, jitter] or
+normal with sigma = jitter). A global collective waits for the slowest of n ranks, so its step
+pays E[max of n delays]; a gossip group pays E[max of its g members] (seed 2's third factor).
+
+Strategies and their overlap (B buckets of ``bucket_mb`` MiB of fp32 gradients, as DDP and the
+bucket engine count them, ready at even
+intervals during backward; one communication channel, buckets exchanged in order):
+
+- ``allreduce-fp32`` / ``allreduce-bf16``: DDP, one all-reduce per bucket started when the bucket
+  is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
+- ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
+  aggregate, apply; nothing overlapped (SPEC §2 bytes, one int32 header word per message for the
+  non-finite flag and step counter that ride in every all_to_all chunk).
+- ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
+  the backward stream); apply after the last bucket.
+- ``dlion-hier-<mode>[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
+  gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
+  inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
+  does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
+  on all elements (on 1/L with gathered parameters).
+- ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
+  a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
+  topology's schedule is averaged over its period.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+MODES = ("vote", "average")
+JITTER_DISTS = ("uniform", "normal")
+ALGORITHMS = ("auto", "ring", "tree")
+COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
+
+WORD = 4  # bytes of a packed int32 word
+BLOCK = 32  # elements per packed word (layout.py)
+HEADER_WORDS = 2  # [non-finite flag, step] in every all_to_all chunk (exchange/pipeline.py)
+# Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
+# 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
+LOCAL_FRACTION = 12.125 / 20.5
+APPLY_FRACTION = 1.0 - LOCAL_FRACTION
+OPT_BYTES_PER_PARAM = 20.5  # default opt_ms: one fused optimizer pass at mem_gbs
+
+_SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def parse_size(value, name: str = "size") -> int:
+    """``124M`` -> 124_000_000, ``1.3G`` -> 1_300_000_000, ``4096`` -> 4096 (powers of ten)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number or a string like '124M', got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"{name}: cannot read {value!r}; use a number with an optional "
+                             f"suffix K, M, G or T (powers of ten), e.g. '124M'")
+        unit = m.group(2).upper()
+        if unit not in _SUFFIXES:
+            raise ValueError(f"{name}: unknown unit {m.group(2)!r} in {value!r}; allowed "
+                             f"suffixes are K, M, G, T (powers of ten)")
+        number = float(m.group(1)) * _SUFFIXES[unit]
+    else:
+        raise TypeError(f"{name} must be a number or a string like '124M', got "
+                        f"{type(value).__name__}")
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return round(number)
+
+
+def _number(value, name: str, *, positive: bool = False, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if integer and int(value) != value:
+        raise ValueError(f"{name} must be a whole number, got {value}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+    return int(value) if integer else float(value)
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: ``latency_us`` per message, ``gbps`` Gbit/s."""
+
+    latency_us: float
+    gbps: float
+
+    @property
+    def alpha_ms(self) -> float:
+        return self.latency_us / 1e3
+
+    def bytes_ms(self, nbytes: float) -> float:
+        return nbytes * 8.0 / (self.gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Multipliers per collective kind, fitted by ``--measure``: time = lat_scale * latency
+    terms + bw_scale * bandwidth terms (gloo's reductions on a CPU, protocol overheads)."""
+
+    lat_scale: dict = field(default_factory=dict)
+    bw_scale: dict = field(default_factory=dict)
+
+    def scale(self, kind: str, lat: float, bw: float) -> float:
+        return self.lat_scale.get(kind, 1.0) * lat + self.bw_scale.get(kind, 1.0) * bw
+
+
+@dataclass(frozen=True)
+class Cluster:
+    n: int
+    L: int
+    intra: Link
+    inter: Link
+    algorithm: str = "auto"
+    calibration: Calibration = Calibration()
+    cpu_gbs: float | None = None  # host work per byte a rank sends or reduces (gloo on CPUs)
+
+    def host_ms(self, nbytes: float) -> float:
+        return 0.0 if self.cpu_gbs is None else nbytes / (self.cpu_gbs * 1e9) * 1e3
+
+    @property
+    def nodes(self) -> int:
+        return self.n // self.L
+
+    def node(self, rank: int) -> int:
+        return rank // self.L
+
+
+@dataclass
+class Cost:
+    """One collective (or a sum of them): time and bytes this rank sends, by link class."""
+
+    ms: float = 0.0
+    intra_bytes: float = 0.0
+    inter_bytes: float = 0.0
+    algorithm: str = ""
+
+    def __add__(self, other: Cost) -> Cost:
+        parts = [a for a in (self.algorithm + "+" + other.algorithm).split("+") if a]
+        algo = "+".join(dict.fromkeys(parts))  # each algorithm once, in order
+        return Cost(self.ms + other.ms, self.intra_bytes + other.intra_bytes,
+                    self.inter_bytes + other.inter_bytes, algo)
+
+    def times(self, k: float) -> Cost:
+        return Cost(self.ms * k, self.intra_bytes * k, self.inter_bytes * k, self.algorithm)
+
+    @property
+    def bytes(self) -> float:
+        return self.intra_bytes + self.inter_bytes
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where a group's p ranks sit: ``nodes`` nodes with ``per_node`` members each, and
+    ``streams`` concurrent rings crossing each of those nodes' NICs (groups that run at once)."""
+
+    p: int
+    nodes: int
+    per_node: int
+    streams: int = 1
+
+
+def _step(cl: Cluster, g: Group, chunk: float) -> tuple[float, float]:
+    """(latency, bandwidth) ms of one ring step moving ``chunk`` bytes along every hop."""
+    lat, bw = 0.0, 0.0
+    if g.per_node > 1:
+        lat, bw = cl.intra.alpha_ms, cl.intra.bytes_ms(chunk)
+    if g.nodes > 1:
+        lat = max(lat, cl.inter.alpha_ms)
+        bw = max(bw, cl.inter.bytes_ms(chunk * g.streams))
+    return lat, bw
+
+
+def _ring_bytes(g: Group, total: float) -> tuple[float, float]:
+    """Split what each rank of a ring sends (``total``) into intra and inter bytes: of the
+    per_node ranks of a node, one sends across the node boundary (averaged over the node)."""
+    if g.nodes <= 1:
+        return total, 0.0
+    inter = total / g.per_node
+    return total - inter, inter
+
+
+def ring_steps(cl: Cluster, g: Group, steps: int, chunk: float, kind: str,
+               reduced: float = 0.0) -> Cost:
+    """``steps`` ring steps of ``chunk`` bytes; ``reduced``: bytes this rank also sums."""
+    if g.p <= 1 or steps == 0:
+        return Cost(algorithm="none")
+    lat, bw = _step(cl, g, chunk)
+    # The host's work on one chunk overlaps the transfer of the next (pipelined ring).
+    bw = max(cl.calibration.scale(kind, 0.0, steps * bw), cl.host_ms(steps * chunk + reduced))
+    ms = cl.calibration.scale(kind, steps * lat, 0.0) + bw
+    intra, inter = _ring_bytes(g, steps * chunk)
+    return Cost(ms, intra, inter, "ring")
+
+
+def all_reduce(cl: Cluster, g: Group, nbytes: float) -> Cost:
+    """All-reduce of ``nbytes`` per rank: ring, tree, or the faster (``auto``)."""
+    if g.p <= 1:
+        return Cost(algorithm="none")
+    ring = ring_steps(cl, g, 2 * (g.p - 1), nbytes / g.p, "all_reduce",
+                      reduced=(g.p - 1) / g.p * nbytes)
+    if cl.algorithm == "ring":
+        return ring
+    lat, bw = _step(cl, g, nbytes)
+    depth = math.ceil(math.log2(g.p))
+    ms = cl.calibration.scale("all_reduce", 2 * depth * lat, 0.0) + max(
+        cl.calibration.scale("all_reduce", 0.0, 2 * bw), cl.host_ms(3 * nbytes))
+    intra, inter = _ring_bytes(g, 2.0 * nbytes)
+    tree = Cost(ms, intra, inter, "tree")
+    if cl.algorithm == "tree" or tree.ms < ring.ms:
+        return tree
+    return ring
+
+
+def all_gather(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
+    """Ring all-gather; every rank contributes ``shard_bytes``."""
+    return ring_steps(cl, g, g.p - 1, shard_bytes, "all_gather")
+
+
+def reduce_scatter(cl: Cluster, g: Group, nbytes: float) -> Cost:
+    """Ring reduce-scatter of ``nbytes`` per rank into p shards."""
+    return ring_steps(cl, g, g.p - 1, nbytes / g.p, "reduce_scatter",
+                      reduced=(g.p - 1) / g.p * nbytes)
+
+
+def all_to_all(cl: Cluster, g: Group, shard_bytes: float) -> Cost:
+    """all_to_all_single: every rank sends ``shard_bytes`` to each of the p - 1 others."""
+    if g.p <= 1:
+        return Cost(algorithm="none")
+    intra = (g.per_node - 1) * shard_bytes
+    inter = (g.p - g.per_node) * shard_bytes
+    lat, bw = 0.0, 0.0
+    if intra:
+        lat, bw = cl.intra.alpha_ms, cl.intra.bytes_ms(intra)
+    if inter:  # the node's NIC carries the inter bytes of its per_node ranks, of every stream
+        lat = max(lat, cl.inter.alpha_ms)
+        bw = max(bw, cl.inter.bytes_ms(inter * g.per_node * g.streams))
+    ms = cl.calibration.scale("all_to_all", lat, 0.0) + max(
+        cl.calibration.scale("all_to_all", 0.0, bw), cl.host_ms(intra + inter))
+    return Cost(ms, intra, inter, "pairwise")
+
+
+# ----------------------------------------------------------------------------- stragglers
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_max(k: int, jitter_ms: float, dist: str = "uniform") -> float:
+    """E[max of k independent delays]: uniform on [0, J] gives J k / (k + 1); normal with
+    sigma = J gives J times the expected maximum of k standard normals."""
+    if jitter_ms == 0 or k < 1:
+        return 0.0
+    if dist == "uniform":
+        return jitter_ms * k / (k + 1)
+    if k == 1:
+        return 0.0
+    # E[max] = integral of x k phi(x) Phi(x)^(k-1) dx, trapezoid on [-10, 10].
+    steps, lo, hi = 4000, -10.0, 10.0
+    h = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * h
+        pdf = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        w = 0.5 if i in (0, steps) else 1.0
+        total += w * x * k * pdf * cdf ** (k - 1)
+    return jitter_ms * total * h
+
+
+# ----------------------------------------------------------------------------- byte counts
+
+
+def aggregate_planes(mode: str, n: int) -> int:
+    """Bit planes of the packed aggregate, binary votes (layout.py)."""
+    return 1 if mode == "vote" else n.bit_length()
+
+
+def dlion_exchange(cl: Cluster, g: Group, numel: float, tensors: int, mode: str) -> Cost:
+    """The two-phase exchange of ``numel`` elements among the p voters of ``g``: every rank
+    owns ceil(blocks / p) blocks; all_to_all_single of its votes, all_gather of its tally."""
+    if g.p <= 1:
+        return Cost(algorithm="none")
+    blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)  # <= 31 padding bits per tensor
+    shard = max(1, math.ceil(blocks / g.p))
+    up = (shard * 1 + HEADER_WORDS) * WORD
+    down = shard * aggregate_planes(mode, g.p) * WORD
+    return all_to_all(cl, g, up) + all_gather(cl, g, down)
+
+
+# ----------------------------------------------------------------------------- overlap
+
+
+def bucket_timeline(ready: list[float], comm: list[float]) -> float:
+    """Time the last bucket's exchange ends: one channel, buckets in order, bucket k starts
+    when it is ready and its predecessor is done."""
+    end = 0.0
+    for r, c in zip(ready, comm):
+        end = max(end, r) + c
+    return end
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Row:
+    """One strategy's predicted step. Times in ms, bytes per rank per step (sent)."""
+
+    strategy: str
+    step_ms: float
+    compute_ms: float  # fwd + bwd + optimizer on one rank, no waiting
+    wait_ms: float  # expected wait for the slowest rank the strategy synchronises with
+    comm_ms: float  # time of all its collectives if run alone
+    exposed_comm_ms: float  # what of comm_ms the step waits for
+    bytes_per_rank: float
+    intra_bytes_per_rank: float
+    inter_bytes_per_rank: float
+    buckets: int
+    algorithm: str
+    options: dict  # how to run it: kind, mode, overlap, hierarchy, topology, dtype
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _counts(sizes: list[int]) -> list[tuple[int, int]]:
+    """(size, how many buckets have it): buckets differ by at most one element."""
+    out: dict[int, int] = {}
+    for s in sizes:
+        out[s] = out.get(s, 0) + 1
+    return list(out.items())
+
+
+def _bucket_sizes(numel: int, bucket_elems: int) -> list[int]:
+    if numel == 0:
+        return [0]
+    count = max(1, math.ceil(numel / bucket_elems))
+    base, extra = divmod(numel, count)
+    return [base + (1 if k < extra else 0) for k in range(count)]
+
+
+@dataclass(frozen=True)
+class _Work:
+    d: int
+    tensors: int
+    fwd: float
+    bwd: float
+    opt: float
+    jitter: float
+    dist: str
+    bucket_elems: int
+    grad_bytes: int
+    param_bytes: int
+    hier_gather: str = "aggregate"
+
+
+def _ddp_row(cl, w, name, wire_bytes):
+    g = Group(cl.n, cl.nodes, cl.L)
+    sizes = _bucket_sizes(w.d, w.bucket_elems)
+    memo = {s: all_reduce(cl, g, s * wire_bytes) for s, _ in _counts(sizes)}
+    costs = [memo[s] for s in sizes]
+    wait = expected_max(cl.n, w.jitter, w.dist)
+    start = w.fwd + wait
+    ready, acc = [], 0
+    for s in sizes:
+        acc += s
+        ready.append(start + w.bwd * acc / max(w.d, 1))
+    end = bucket_timeline(ready, [c.ms for c in costs])
+    exposed = max(0.0, end - (start + w.bwd))
+    total = sum(costs, Cost())
+    step = start + w.bwd + exposed + w.opt
+    return Row(name, step, w.fwd + w.bwd + w.opt, wait, total.ms, exposed, total.bytes,
+               total.intra_bytes, total.inter_bytes, len(sizes), costs[0].algorithm,
+               {"kind": "allreduce", "dtype": "fp32" if wire_bytes == 4 else "bf16"})
+
+
+def _dlion_row(cl, w, mode, overlap, L):
+    """Flat (L = 1) or hierarchical (L > 1) D-Lion, overlapped per bucket or not."""
+    n = cl.n
+    hier = L > 1
+    voters = n // L
+    wait = expected_max(n, w.jitter, w.dist)
+    opt = w.opt / L  # sharded local step and apply inside the node
+    intra_g = Group(L, 1, L)
+    # The L inter groups (one per local rank) run at once through the node's NIC.
+    inter_g = Group(voters, voters, 1, streams=L) if hier else Group(n, cl.nodes, cl.L)
+    sizes = _bucket_sizes(w.d, w.bucket_elems) if overlap else [w.d]
+    tensors = max(1, math.ceil(w.tensors / len(sizes)))
+
+    def bucket_cost(s):
+        c = dlion_exchange(cl, inter_g, s / L, tensors, mode)
+        if hier:
+            c = reduce_scatter(cl, intra_g, s * w.grad_bytes) + c
+            if w.hier_gather == "params":  # the updated parameter shards, storage dtype
+                c = c + all_gather(cl, intra_g, s / L * w.param_bytes)
+            else:  # the packed aggregate shards; every rank applies all of it
+                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, voters)
+                c = c + all_gather(cl, intra_g, words * WORD)
+        return c
+
+    memo = {s: bucket_cost(s) for s, _ in _counts(sizes)}
+    costs = [memo[s] for s in sizes]
+    total = sum(costs, Cost())
+    local, apply = opt * LOCAL_FRACTION, opt * APPLY_FRACTION
+    if hier and w.hier_gather != "params":
+        apply = w.opt * APPLY_FRACTION
+    start = w.fwd + wait
+    if overlap:
+        ready, acc = [], 0
+        for s in sizes:
+            acc += s
+            ready.append(start + (w.bwd + local) * acc / max(w.d, 1))
+        end = bucket_timeline(ready, [c.ms for c in costs])
+        compute_end = start + w.bwd + local
+        exposed = max(0.0, end - compute_end)
+        step = compute_end + exposed + apply
+    else:
+        exposed = total.ms
+        step = start + w.bwd + local + exposed + apply
+    name = "dlion-" + ("hier-" if hier else "") + mode + ("-overlap" if overlap else "")
+    algo = costs[0].algorithm
+    return Row(name, step, w.fwd + w.bwd + local + apply, wait, total.ms, exposed, total.bytes,
+               total.intra_bytes, total.inter_bytes, len(sizes), algo,
+               {"kind": "dlion", "mode": mode, "votes": "binary", "overlap": overlap,
+                "hierarchy": L})
+
+
+# ----------------------------------------------------------------------------- topologies
+
+
+def topology_problem(topology: str, n: int, L: int) -> str | None:
+    """Why ``topology`` cannot run on n ranks in nodes of L, or None."""
+    if topology not in TOPOLOGIES:
+        return f"unknown topology {topology!r}; allowed: {', '.join(TOPOLOGIES)}"
+    if n == 1:
+        return None  # the one rank is its own group: no communication
+    if topology == "ring" and n % 2:
+        return f"topology 'ring' needs an even number of ranks, got {n}"
+    if topology == "one-peer-exp" and n & (n - 1):
+        return f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}"
+    if topology == "alternating-exp-ring":
+        nodes = n // L
+        if nodes < 2 or nodes & (nodes - 1):
+            return (f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of "
+                    f"nodes, got {nodes} nodes of {L} ranks")
+    return None
+
+
+def schedule(topology: str, n: int, L: int) -> list[list[list[int]]]:
+    """The groups of every step of one period of the topology (SPEC §7)."""
+    if n == 1:
+        return [[[0]]]
+    if topology == "complete":
+        return [[list(range(n))]]
+    if topology == "ring":
+        even = [[2 * k, 2 * k + 1] for k in range(n // 2)]
+        odd = [sorted([2 * k + 1, (2 * k + 2) % n]) for k in range(n // 2)]
+        return [even, odd] if n > 2 else [even]
+    if topology == "one-peer-exp":
+        return [[[j, j ^ (1 << b)] for j in range(n) if j < j ^ (1 << b)]
+                for b in range(n.bit_length() - 1)]
+    nodes = n // L  # alternating-exp-ring
+    members = [list(range(a * L, (a + 1) * L)) for a in range(nodes)]
+    steps = []
+    for b in range(nodes.bit_length() - 1):
+        pairs = [(a, a ^ (1 << b)) for a in range(nodes) if a < a ^ (1 << b)]
+        for phase in range(2):
+            groups = []
+            for j, (a, c) in enumerate(pairs):
+                if (j + phase) % 2 == 0:
+                    groups.append(members[a] + members[c])
+                else:
+                    groups += [members[a], members[c]]
+            steps.append(groups)
+    return steps
+
+
+def _gossip_step(cl: Cluster, groups, nbytes: float) -> Cost:
+    """All groups of one step all-reduce ``nbytes`` at once: the slowest group's time, the
+    mean bytes per rank. Rings of different groups leaving one node share its NIC."""
+    streams: dict[int, int] = {}
+    layout = []
+    for grp in groups:
+        nodes = sorted({cl.node(r) for r in grp})
+        layout.append((grp, nodes))
+        if len(nodes) > 1:
+            for a in nodes:
+                streams[a] = streams.get(a, 0) + 1
+    slowest, intra, inter, seen = Cost(), 0.0, 0.0, {}
+    for grp, nodes in layout:
+        per_node = max(sum(1 for r in grp if cl.node(r) == a) for a in nodes)
+        s = max((streams.get(a, 1) for a in nodes), default=1)
+        key = (len(grp), len(nodes), per_node, s)
+        if key not in seen:
+            seen[key] = all_reduce(cl, Group(*key), nbytes)
+        c = seen[key]
+        if c.ms > slowest.ms or not slowest.algorithm:
+            slowest = c
+        intra += c.intra_bytes * len(grp)
+        inter += c.inter_bytes * len(grp)
+    return Cost(slowest.ms, intra / cl.n, inter / cl.n, slowest.algorithm)
+
+
+def _gossip_wait(cl: Cluster, groups, w: _Work) -> float:
+    """Mean over ranks of the expected wait for the slowest member of the rank's group."""
+    return sum(expected_max(len(g), w.jitter, w.dist) * len(g) for g in groups) / cl.n
+
+
+def _decentralized_row(cl, w, topology, gossip_bytes):
+    sizes = _bucket_sizes(w.d, w.bucket_elems)
+    steps = schedule(topology, cl.n, cl.L)
+    total, wait = Cost(), 0.0
+    for groups in steps:
+        for s, count in _counts(sizes):
+            total = total + _gossip_step(cl, groups, s * gossip_bytes).times(count)
+        wait += _gossip_wait(cl, groups, w)
+    total = total.times(1.0 / len(steps))
+    wait /= len(steps)
+    compute = w.fwd + w.bwd + w.opt
+    # The gossip of iteration t has all of iteration t+1's compute to hide behind.
+    step = max(compute + wait, total.ms)
+    exposed = max(0.0, total.ms - (compute + wait))
+    algo = "+".join(sorted({a for a in total.algorithm.split("+") if a}))
+    return Row(f"decentralized-{topology}", step, compute, wait, total.ms, exposed, total.bytes,
+               total.intra_bytes, total.inter_bytes, len(sizes), algo,
+               {"kind": "decentralized", "topology": topology,
+                "gossip_dtype": "fp32" if gossip_bytes == 4 else "bf16"})
+
+
+# ----------------------------------------------------------------------------- predict
+
+
+def _dtype_bytes(value, name):
+    table = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+    if value not in table:
+        raise ValueError(f"{name} must be one of fp32, bf16, fp16, got {value!r}")
+    return table[value]
+
+
+def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, latency_us=30.0,
+            intra_latency_us=None, fwd_ms, bwd_ms, opt_ms=None, mem_gbs=1000.0, jitter_ms=0.0,
+            jitter_dist="uniform", bucket_mb=25.0, tensors=1, grad_dtype="fp32",
+            param_dtype="fp32", gossip_dtype="fp32", algorithm="auto", modes=("vote",),
+            topologies=None, strategies=None, calibration=None, cpu_gbs=None,
+            hier_gather="aggregate") -> list[Row]:
+    """Predicted step of every strategy, fastest first (see the module docstring).
+
+    ``params``: parameter count (int or '124M'); ``ranks``: n; ``ranks_per_node``: L;
+    ``inter_gbps``: each node's link to the others; ``intra_gbps``: each rank's link inside the
+    node (default: inter_gbps, as for one process per host); ``latency_us`` /
+    ``intra_latency_us``: per message (intra default 5 us, at most latency_us); ``fwd_ms``,
+    ``bwd_ms``: compute per step and rank; ``opt_ms``: one optimizer pass over all parameters
+    (default: 20.5 bytes per parameter at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank
+    and step, ``jitter_dist`` 'uniform' on [0, jitter] or 'normal' with that sigma;
+    ``topologies``: None = every topology that fits (others are left out), or a list (one that
+    does not fit raises ValueError); ``strategies``: keep only these names; ``cpu_gbs``: host
+    processing rate per rank for the bytes a collective sends or sums (None: free, as with
+    NCCL/RDMA; gloo on CPU cores shared by several ranks needs it); ``hier_gather``: what
+    hierarchical D-Lion gathers inside the node, 'aggregate' (the packed aggregate, as the
+    library does) or 'params' (the updated parameter shards).
+    """
+    d = parse_size(params, "params")
+    n = _number(ranks, "ranks", positive=True, integer=True)
+    L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
+    if n % L:
+        raise ValueError(f"ranks ({n}) must be a multiple of ranks_per_node ({L})")
+    inter_gbps = _number(inter_gbps, "inter_gbps", positive=True)
+    intra_gbps = inter_gbps if intra_gbps is None else _number(intra_gbps, "intra_gbps",
+                                                               positive=True)
+    latency_us = _number(latency_us, "latency_us")
+    if intra_latency_us is None:
+        intra_latency_us = min(5.0, latency_us)
+    intra_latency_us = _number(intra_latency_us, "intra_latency_us")
+    fwd_ms = _number(fwd_ms, "fwd_ms")
+    bwd_ms = _number(bwd_ms, "bwd_ms")
+    mem_gbs = _number(mem_gbs, "mem_gbs", positive=True)
+    opt_ms = d * OPT_BYTES_PER_PARAM / (mem_gbs * 1e9) * 1e3 if opt_ms is None else \
+        _number(opt_ms, "opt_ms")
+    jitter_ms = _number(jitter_ms, "jitter_ms")
+    if jitter_dist not in JITTER_DISTS:
+        raise ValueError(f"jitter_dist must be one of {', '.join(JITTER_DISTS)}, "
+                         f"got {jitter_dist!r}")
+    bucket_mb = _number(bucket_mb, "bucket_mb", positive=True)
+    tensors = _number(tensors, "tensors", positive=True, integer=True)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
+    grad_bytes = _dtype_bytes(grad_dtype, "grad_dtype")
+    param_bytes = _dtype_bytes(param_dtype, "param_dtype")
+    gossip_bytes = _dtype_bytes(gossip_dtype, "gossip_dtype")
+    if topologies is None:
+        topos = [t for t in TOPOLOGIES if topology_problem(t, n, L) is None]
+    else:
+        topos = [topologies] if isinstance(topologies, str) else list(topologies)
+        for t in topos:
+            problem = topology_problem(t, n, L)
+            if problem:
+                raise ValueError(f"topologies: {problem}")
+
+    if cpu_gbs is not None:
+        cpu_gbs = _number(cpu_gbs, "cpu_gbs", positive=True)
+    if isinstance(calibration, dict):  # as --measure --json prints it
+        calibration = Calibration(dict(calibration.get("lat_scale", {})),
+                                  dict(calibration.get("bw_scale", {})))
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a Calibration, a dict or None, got "
+                        f"{type(calibration).__name__}")
+    cl = Cluster(n, L, Link(intra_latency_us, intra_gbps), Link(latency_us, inter_gbps),
+                 algorithm, calibration or Calibration(), cpu_gbs)
+    if hier_gather not in ("aggregate", "params"):
+        raise ValueError(f"hier_gather must be 'aggregate' or 'params', got {hier_gather!r}")
+    w = _Work(d, tensors, fwd_ms, bwd_ms, opt_ms, jitter_ms, jitter_dist,
+              max(1, int(bucket_mb * 2**20 / grad_bytes)), grad_bytes, param_bytes, hier_gather)
+
+    rows = [_ddp_row(cl, w, "allreduce-fp32", 4), _ddp_row(cl, w, "allreduce-bf16", 2)]
+    for mode in modes:
+        for overlap in (False, True):
+            rows.append(_dlion_row(cl, w, mode, overlap, 1))
+            if 1 < L:
+                rows.append(_dlion_row(cl, w, mode, overlap, L))
+    rows += [_decentralized_row(cl, w, t, gossip_bytes) for t in topos]
+    if strategies is not None:
+        wanted = [strategies] if isinstance(strategies, str) else list(strategies)
+        names = {r.strategy for r in rows}
+        unknown = [s for s in wanted if s not in names]
+        if unknown:
+            raise ValueError(f"strategies: {unknown} not among the strategies for this cluster: "
+                             f"{', '.join(sorted(names))}")
+        rows = [r for r in rows if r.strategy in wanted]
+    rows.sort(key=lambda r: (r.step_ms, r.bytes_per_rank))
+    return rows
+
+
+def best(rows: list[Row]) -> str:
+    """The strategy name of the fastest row."""
+    if not rows:
+        raise ValueError("rows is empty: nothing to choose from")
+    return min(rows, key=lambda r: (r.step_ms, r.bytes_per_rank)).strategy
+
+
+# ----------------------------------------------------------------------------- callers
+
+
+def choose_strategy(params, ranks, ranks_per_node=1, *, allowed=None, **inputs) -> Row:
+    """The fastest row among ``allowed`` strategy names (None: all); for the demo's
+    ``--strategy auto``. Returns the Row: its ``options`` say how to run it."""
+    rows = predict(params, ranks, ranks_per_node, strategies=allowed, **inputs)
+    name = best(rows)
+    return next(r for r in rows if r.strategy == name)
+
+
+def choose_hierarchy(n, ranks_per_node, params, *, mode="vote", overlap=False, **inputs) -> int:
+    """``DistributedLion(hierarchy="auto")``: L when hierarchical D-Lion is predicted faster
+    than flat D-Lion with the same mode and overlap, else 1."""
+    L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
+    if L == 1:
+        return 1
+    suffix = "-overlap" if overlap else ""
+    flat, hier = f"dlion-{mode}{suffix}", f"dlion-hier-{mode}{suffix}"
+    rows = {r.strategy: r for r in predict(params, n, L, modes=(mode,), topologies=[],
+                                           strategies=[flat, hier], **inputs)}
+    return L if rows[hier].step_ms < rows[flat].step_ms else 1
+
+
+def inputs_from_json(path: str) -> dict:
+    """predict()'s keyword arguments (links, compute, calibration) from the JSON that
+    ``python -m dlion_kernels.plan --measure --json`` printed, without params, ranks and
+    ranks_per_node: e.g. ``choose_hierarchy(n, L, params, **inputs_from_json(path))``."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    inputs = dict(doc.get("inputs", {}))
+    for key in ("params", "ranks", "ranks_per_node", "modes", "topologies"):
+        inputs.pop(key, None)
+    if "measured" in doc and "calibration" in doc["measured"]:
+        inputs["calibration"] = doc["measured"]["calibration"]
+    return inputs
