@@ -96,8 +96,10 @@ def resolve_hierarchy(hierarchy) -> int:
                 )
             return int(value)
         if hierarchy == "auto":
-            # Integration point for the runtime model (dlion_kernels.plan.choose_hierarchy):
-            # resolve "auto" to an L here once the model can be asked about this group.
+            # Integration point for the runtime model: DistributedLion.__init__ would resolve
+            # "auto" to dlion_kernels.plan.choose_hierarchy(n, $LOCAL_WORLD_SIZE, numel,
+            # mode=..., **inputs) (1 = flat) before calling this; what is missing is where the
+            # link and compute inputs come from (a --measure result, inputs_from_json).
             raise ValueError(
                 'hierarchy="auto" is not available yet: the runtime model that chooses L is not '
                 'wired in; pass hierarchy="node", an int L, or None'
