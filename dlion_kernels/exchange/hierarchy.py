@@ -21,12 +21,13 @@ One step on rank r (local rank l, node k):
    ``reduce_scatter_tensor`` (sum) inside the node leaves rank r the node's fp32 sum for its
    shard, divided by L: the node-mean gradient, exact when the sum is;
 2. non-finite check on the shard, agreed across nodes (inter-node all_gather of one word) and
-   then inside the node (intra-node all_gather of one word): every rank takes the same decision
-   before anything is modified;
+   then inside the node (intra-node all_gather of [flag, step]): every rank takes the same
+   decision, and ranks at different steps raise, before anything is modified;
 3. local step on the shard with the rank's momentum shard (S * 32 fp32 elements, ~1/L of the
    model): packed votes of the shard;
-4. the two-phase vote exchange of ``step.exchange_votes`` on the inter-node group with the N
-   nodes as voters: the rank's slice of node k's vote, and the tallied aggregate of its shard;
+4. the two-phase vote exchange of ``pipeline.py`` (one bucket: the shard; all_to_all with the
+   [flag, step] header, tally, all_gather) on the inter-node group with the N nodes as voters;
+   then the momentum shard is updated (m = b2 m + (1 - b2) g);
 5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element),
    then every rank applies the full aggregate to all of its parameters with n = N.
 
@@ -51,16 +52,19 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import backends
-from ..kernels.layout import BLOCK, aggregate_planes, block_offsets, shard_blocks, vote_planes
+from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
-from .step import (
+from .pipeline import (
     _WORD_BYTES,
+    Exchange,
     NonFiniteGradientError,
+    Row,
+    StepMismatchError,
     StepStats,
-    _all_gather,
-    _by_dtype,
-    _check_group_device,
-    exchange_votes,
+    _BucketWork,
+    all_gather,
+    by_dtype,
+    check_group_device,
 )
 
 _F32_BYTES = 4
@@ -133,7 +137,7 @@ class Topology:
     node: int
     local: int
     intra: object  # process group of this rank's node
-    inter: object  # process group of this rank's local rank across nodes (None when N == 1)
+    inter: object  # process group of this rank's local rank across nodes
 
 
 def topology(group, ranks_per_node: int) -> Topology:
@@ -146,12 +150,13 @@ def topology(group, ranks_per_node: int) -> Topology:
     if key not in _GROUPS:
         N = n // L
         intra = [dist.new_group(list(range(k * L, (k + 1) * L))) for k in range(N)]
-        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)] if N > 1 else None
+        # with N == 1 these are one-rank groups: the exchange then runs without a collective
+        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)]
         _GROUPS[key] = (intra, inter)
     intra, inter = _GROUPS[key]
     rank = dist.get_rank()
     node, local = divmod(rank, L)
-    return Topology(n, L, n // L, node, local, intra[node], inter[local] if inter else None)
+    return Topology(n, L, n // L, node, local, intra[node], inter[local])
 
 
 def check_tensors(params, grads) -> None:
@@ -285,18 +290,23 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     grads_all = [g for s in segments for g in s.grads]
     numel = sum(t.numel() for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
-    _check_group_device(dist.group.WORLD, topo.n, device)
+    check_group_device(dist.group.WORLD, topo.n, device)
     name = backends.resolve(backend, device)
-    kernels = backends.get(name)
-    ternary = votes == "ternary"
+    # The inter-node exchange: the two-phase protocol of pipeline.py on this rank's inter-node
+    # group (N voters), one bucket = this rank's shard of S = N * S1 blocks.
+    ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter, backend=name,
+                  step=step, nonfinite=nonfinite)
+    stages, ternary = ex.stages, ex.ternary
     layout = ShardLayout.build((t.numel() for t in tensors), topo)
-    S, S1 = layout.shard, layout.sub
+    S = layout.shard
     intra = inter = 0
 
     def stats(skipped=False):
-        sent = intra + inter
-        return HierarchicalStepStats(sent, sent, numel, topo.n, mode, votes, name, skipped,
-                                     intra, inter, N, L)
+        return HierarchicalStepStats(
+            bytes_sent=intra + inter, bytes_received=intra + inter, numel=numel,
+            world_size=topo.n, mode=mode, votes=votes, backend=name, skipped=skipped,
+            intra_node_bytes_sent=intra, inter_node_bytes_sent=inter, nodes=N,
+            ranks_per_node=L)
 
     # 1. node-mean gradient of this rank's shard, fp32 sums
     work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
@@ -312,20 +322,25 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         grad.copy_(work)
     del work
 
-    # 2. one decision for all n ranks: a non-finite value in any gradient reaches the sum of
-    # exactly one shard (NaN and inf propagate through the fp32 sum; an overflow counts too)
-    flag = kernels.nonfinite([grad])
+    # 2. one decision for all n ranks, before anything is modified: a non-finite value in any
+    # gradient reaches the sum of exactly one shard (NaN and inf propagate through the fp32 sum;
+    # an overflow counts too). Across nodes first, then inside the node with the step number.
+    flag = stages.nonfinite([grad])
     if N > 1:
         flags = torch.empty(N, dtype=torch.int32, device=device)
-        _all_gather(flags, flag, topo.inter)
+        all_gather(flags, flag, topo.inter)
         flag = flags.any().to(torch.int32).view(1)
         inter += (N - 1) * _WORD_BYTES
+    header = torch.cat([flag, torch.tensor([step], dtype=torch.int32, device=device)])
     if L > 1:
-        flags = torch.empty(L, dtype=torch.int32, device=device)
-        _all_gather(flags, flag, topo.intra)
-        flag = flags.any().to(torch.int32).view(1)
-        intra += (L - 1) * _WORD_BYTES
-    if flag.item():
+        headers = torch.empty(L, 2, dtype=torch.int32, device=device)
+        all_gather(headers.view(-1), header, topo.intra)
+        intra += (L - 1) * 2 * _WORD_BYTES
+        header = headers.cpu()
+    else:
+        header = header.view(1, 2).cpu()
+    _check_steps(header[:, 1], step)
+    if bool(header[:, 0].any()):
         if nonfinite == "raise":
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank (or a node's gradient sum "
@@ -334,46 +349,69 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
             )
         return stats(skipped=True)
 
-    # 3. local step on the shard, one launch per param group (each has its own betas)
-    p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, N)
+    # 3-4. local step on the shard (one row per param group: each has its own betas), votes
+    # between nodes; the [flag, step] header of every all_to_all chunk checks the steps of the
+    # other nodes.
     exp_avg = momentum.shard(layout, device)
-    votes_buf = torch.zeros(S * p_in, dtype=torch.int32, device=device)
-    first = 0
+    rows, first = [], 0
     for s in segments:
         lo, hi = layout.block_range(first, first + len(s.params))
         first += len(s.params)
         if hi > lo:
             part = slice(BLOCK * lo, BLOCK * hi)
-            kernels.local_step([grad[part]], [exp_avg[part]], votes_buf, [lo], s.beta1, s.beta2,
-                               ternary)
+            rows.append(Row(grad[part], grad[part], exp_avg[part], lo, s))
+    bucket = _BucketWork(rows, S, ex)
+    bucket.start()
+    bucket.reduce()
+    bucket.wait()
+    inter += ex.sent
+    _check_steps(bucket.header[:, 1].cpu(), step)
+
+    # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
+    for r in rows:
+        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
+        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+        r.exp_avg.copy_(b2 * r.exp_avg + omb2 * r.grad)
     momentum.commit()
 
-    # 4. votes between nodes: the nodes are the N voters
-    owned, sent = exchange_votes(kernels, votes_buf, S1, p_in, p_out, N, topo.inter, mode,
-                                 ternary, step)
-    inter += sent
-
     # 5. the node's aggregate shards side by side are the flat aggregate; apply everywhere
+    owned = bucket.aggregate
     if L > 1:
-        aggregate = torch.empty(L * S * p_out, dtype=torch.int32, device=device)
-        _all_gather(aggregate, owned, topo.intra)
-        intra += (L - 1) * S * p_out * _WORD_BYTES
+        aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
+        all_gather(aggregate, owned, topo.intra)
+        intra += (L - 1) * owned.numel() * _WORD_BYTES
     else:
         aggregate = owned
-    _apply(kernels, segments, layout.offsets, aggregate, N, mode, ternary)
+    _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
     return stats()
 
 
-def _apply(kernels, segments, offsets, aggregate, n, mode, ternary) -> None:
+def _check_steps(steps, step) -> None:
+    if bool((steps != step).any()):
+        other = next(int(s) for s in steps.flatten().tolist() if s != step)
+        raise StepMismatchError(
+            f"ranks are at different steps: this rank is at step {step}, another at step "
+            f"{other}; every rank must call step() the same number of times; nothing was "
+            "updated on any rank")
+
+
+def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
+    """x = x - lr (D + wd x) for every parameter (not the momentum: only the shard has one)."""
     offset_iter = iter(offsets)
     for s in segments:
         rows = [(p, next(offset_iter)) for p in s.params]
         rows = [(p, off) for p, off in rows if p.numel() > 0]
-        for part in _by_dtype(rows):
+        for part in by_dtype(rows):
             params, offs = zip(*part)
             work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            kernels.apply(list(work), aggregate, list(offs), s.lr, s.weight_decay, n, mode,
-                          ternary)
+            if stages.v2:  # v2's apply also updates a momentum: a throwaway one, beta2 = 1
+                scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                           for w in work]
+                stages.k.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
+                               s.weight_decay, 1.0, n, mode, ternary, skip=None)
+            else:
+                stages.k.apply(work, aggregate, list(offs), s.lr, s.weight_decay, n, mode,
+                               ternary)
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)

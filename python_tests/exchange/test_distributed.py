@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import assert_close_storage, backend_device
-from workers import run_workers
+from workers import CountingCollectives, run_workers
 
 import dlion_kernels as dk
 from dlion_kernels.kernels import backends, reference
@@ -27,46 +27,6 @@ def _grads(rank, step, dtype):
     if rank == 0 and step == 1:
         grads[3] = None  # a None gradient on one rank only
     return grads
-
-
-class CountingCollectives:
-    """Adds up the bytes this rank hands to the collectives (what goes to the other ranks)."""
-
-    def __init__(self, n):
-        self.n, self.sent = n, 0
-
-    def __enter__(self):
-        self.saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-        def all_to_all_single(output, input, *args, **kwargs):
-            self.sent += input.numel() * input.element_size() * (self.n - 1) // self.n
-            return self.saved["all_to_all_single"](output, input, *args, **kwargs)
-
-        def gather(name):
-            def all_gather(output, input, *args, **kwargs):
-                self.sent += input.numel() * input.element_size() * (self.n - 1)
-                return self.saved[name](output, input, *args, **kwargs)
-
-            return all_gather
-
-        def forbidden(*args, **kwargs):
-            raise AssertionError("the step uses only all_to_all_single and all-gather")
-
-        for name in self.saved:
-            setattr(dist, name, forbidden)
-        dist.all_to_all_single = all_to_all_single
-        for name in ("all_gather_into_tensor", "all_gather_single"):
-            if name in self.saved:
-                setattr(dist, name, gather(name))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv")
 
 
 def _protocol_worker(rank, n, backend):
@@ -108,9 +68,9 @@ def simulate(n, mode, votes, dtype):
 
 def spec_bound(n, mode, votes, d, tensors):
     """SPEC §2 bytes sent per rank, plus the documented padding: one word per tensor and per
-    rank in each plane, and the 4-byte non-finite flag to each peer."""
+    rank in each plane, and the 8-byte header (non-finite flag, step) to each peer."""
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
-    return (n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n) + 4 * (n - 1)
+    return (n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n) + 8 * (n - 1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -47,11 +47,17 @@ def _grads(step, rank):
     return out
 
 
+def _f32(x):
+    return torch.tensor(x, dtype=torch.float32)
+
+
 def simulate(n, L, mode, votes, steps):
-    """N = n / L voters with node-mean gradients, in one process, with the reference stages."""
+    """N = n / L voters with node-mean gradients, in one process: SPEC §1 written out in fp32
+    (packing and tally by the reference stages)."""
     N, ternary = n // L, votes == "ternary"
-    params = [[p.detach().clone() for p in ps] for ps in _init_params()]
+    params = [[p.clone() for p in ps] for ps in _init_params()]
     flat = [p for ps in params for p in ps]
+    specs = [spec for spec, ps in zip(GROUPS, params) for _ in ps]
     offsets, total = block_offsets(p.numel() for p in flat)
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, N)
     momenta = [[torch.zeros(p.shape) for p in flat] for _ in range(N)]
@@ -63,20 +69,22 @@ def simulate(n, L, mode, votes, steps):
                 for i, g in enumerate(x for gs in _grads(t, r) for x in gs):
                     if g is not None:
                         mean[i] += g.float()
-            mean = [m / L for m in mean]
-            i = 0
-            for spec, ps in zip(GROUPS, params):
-                j = slice(i, i + len(ps))
-                reference.local_step(mean[j], momenta[k][j], stacked[k], offsets[j],
-                                     *spec["betas"], ternary)
-                i += len(ps)
+            for i, (g, m, spec, off) in enumerate(zip(mean, momenta[k], specs, offsets)):
+                b1, b2 = spec["betas"]
+                g = g / L
+                c = _f32(b1) * m + _f32(1.0 - b1) * g
+                m.copy_(_f32(b2) * m + _f32(1.0 - b2) * g)
+                words = reference.pack_bits([c > 0, c < 0] if ternary else [c > 0], c.numel())
+                stacked[k, off * p_in : off * p_in + words.numel()] = words
         aggregate = torch.empty(total * p_out, dtype=torch.int32)
         reference.tally(stacked, aggregate, N, mode, ternary, t)
-        i = 0
-        for spec, ps in zip(GROUPS, params):
-            reference.apply(ps, aggregate, offsets[i : i + len(ps)], spec["lr"],
-                            spec["weight_decay"], N, mode, ternary)
-            i += len(ps)
+        for x, spec, off in zip(flat, specs, offsets):
+            nb = -(-x.numel() // 32)
+            d = reference.decode(aggregate[off * p_out : (off + nb) * p_out], x.numel(), N, mode,
+                                 ternary)
+            xf = x.reshape(-1).float()
+            xf = xf - _f32(spec["lr"]) * (d + _f32(spec["weight_decay"]) * xf)
+            x.copy_(xf.view_as(x).to(x.dtype))
     return flat, momenta
 
 
@@ -235,9 +243,10 @@ def _check(n, L, variants):
         expect, momenta = simulate(n, L, mode, votes, STEPS)
         p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, N)
         # SPEC §2 bytes for N voters, per rank, divided by L; padding: the sub-shard rounding
-        # (at most one block per tensor and one per rank) and the one-word flag.
+        # (at most one block per tensor and one per rank), the one-word flag and the two-word
+        # [flag, step] header of the all_to_all chunks.
         formula = (p_in + p_out) * (N - 1) / N * d / 8
-        padding = (N - 1) * 4 * ((p_in + p_out) * (k // n + 2) + 1)
+        padding = (N - 1) * 4 * ((p_in + p_out) * (k // n + 2) + 3)
         for r, res in enumerate(results):
             got = res[(mode, votes)]
             for e, p in zip(expect, got["params"]):
