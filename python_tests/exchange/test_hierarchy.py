@@ -152,6 +152,11 @@ def _worker(rank, n, L, variants):
             _make(bad, "vote", "binary")
         except ValueError as e:
             out["errors"].append(str(e))
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    try:
+        dk.register_ddp_comm_hook(ddp, dk.DistributedLion(ddp.parameters(), hierarchy=L))
+    except ValueError as e:
+        out["errors"].append(str(e))
     for mode, votes in variants:
         hierarchy = "node" if (mode, votes) == ("vote", "binary") else L
         params, opt = _make(hierarchy, mode, votes)
@@ -235,6 +240,7 @@ def _check(n, L, variants):
         errors = res["errors"]
         assert any("auto" in e and "not available" in e for e in errors)
         assert any("hierarchy must be" in e for e in errors), errors
+        assert any("DDP's comm hook" in e for e in errors), errors
         if n % 3:
             assert any("multiple of the ranks per node" in e for e in errors), errors
         assert res["nonfinite"] == ["raised", "skipped", True, True], (r, res["nonfinite"])
@@ -305,6 +311,8 @@ def test_hierarchy_options_without_process_group(monkeypatch):
     for bad in ("auto", 0, -2, True, 2.0, "nodes"):
         with pytest.raises(ValueError, match="hierarchy"):
             dk.DistributedLion([torch.zeros(3)], hierarchy=bad)
+    with pytest.raises(ValueError, match="overlap=True are not combined"):
+        dk.DistributedLion([torch.zeros(3)], hierarchy=2, overlap=True)
     # L = 1 is flat D-Lion: the full-size momentum, one process.
     p = torch.nn.Parameter(torch.ones(5))
     opt = dk.DistributedLion([p], lr=0.1, hierarchy=1)
