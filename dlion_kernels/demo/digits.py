@@ -12,7 +12,9 @@ same split and the same initial weights:
 - Lion + all-reduce:  fp32 gradient all-reduce, then plain Lion
 - AdamW + all-reduce: fp32 gradient all-reduce, then AdamW
 
-and prints test accuracy, bytes sent per rank per step and wall time.
+and prints test accuracy, bytes sent per rank per step and wall time. ``--hierarchy L`` adds
+hierarchical D-Lion (vote and average) over nodes of L consecutive workers: exact gradient mean
+inside a node, the nodes vote.
 """
 
 from __future__ import annotations
@@ -43,13 +45,25 @@ def parse_args(argv=None):
     ap.add_argument("--adamw-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=1e-2)
     ap.add_argument("--backend", default=None, help="dlion_kernels backend (default: auto)")
+    ap.add_argument("--hierarchy", type=int, metavar="L", default=None,
+                    help="also train hierarchical D-Lion over nodes of L workers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png", help="draw the training-loss curves")
     ap.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.epochs < 1 or args.batch_size < 1:
         ap.error("--workers, --epochs and --batch-size must be >= 1")
+    if args.hierarchy is not None and args.hierarchy < 1:
+        ap.error("--hierarchy must be >= 1")
     return args
+
+
+def optimizer_names(args) -> tuple:
+    """The rows of the comparison: OPTIMIZERS, then the hierarchical variants if asked for."""
+    if args.hierarchy is None:
+        return OPTIMIZERS
+    return OPTIMIZERS + tuple(f"D-Lion {m}, hierarchy {args.hierarchy}"
+                              for m in ("vote", "average"))
 
 
 def load_digits(seed: int):
@@ -95,8 +109,10 @@ def train_one(name, args, rank, n, device, solo_group, data):
     params = list(model.parameters())
     common = dict(weight_decay=args.weight_decay, backend=args.backend)
     if name.startswith("D-Lion"):
-        mode = "vote" if name.endswith("vote") else "average"
-        opt = dk.DistributedLion(params, lr=args.lion_lr, mode=mode, **common)
+        mode = "vote" if name.startswith("D-Lion vote") else "average"
+        hierarchy = args.hierarchy if "hierarchy" in name else None
+        opt = dk.DistributedLion(params, lr=args.lion_lr, mode=mode, hierarchy=hierarchy,
+                                 **common)
     elif name.startswith("Lion"):
         # Plain Lion is D-Lion on a group of one with ternary votes (the exact sign).
         opt = dk.DistributedLion(params, lr=args.lion_lr, votes="ternary", group=solo_group,
@@ -104,7 +120,7 @@ def train_one(name, args, rank, n, device, solo_group, data):
     else:
         opt = torch.optim.AdamW(params, lr=args.adamw_lr, weight_decay=args.weight_decay)
 
-    losses, bytes_per_step, steps = [], 0, 0
+    losses, bytes_per_step, inter_node_bytes, steps = [], 0, None, 0
     start = time.perf_counter()
     for epoch in range(args.epochs):
         # Same permutation on every rank, each rank takes its own shard of it.
@@ -123,6 +139,7 @@ def train_one(name, args, rank, n, device, solo_group, data):
             else:
                 opt.step()
                 bytes_per_step = opt.last_stats.bytes_sent
+                inter_node_bytes = getattr(opt.last_stats, "inter_node_bytes_sent", None)
             total[0] += loss.detach() * len(idx)
             total[1] += len(idx)
             steps += 1
@@ -145,6 +162,7 @@ def train_one(name, args, rank, n, device, solo_group, data):
         in_sync = True
     return dict(optimizer=name, test_accuracy=acc, bytes_per_step=bytes_per_step,
                 steps=steps, wall_s=wall, losses=losses, ranks_in_sync=in_sync,
+                inter_node_bytes_per_step=inter_node_bytes,
                 numel=sum(p.numel() for p in params))
 
 
@@ -154,7 +172,7 @@ def run(rank, n, args, device):
     solo_groups = [dist.new_group([r]) for r in range(n)] if n > 1 else [None]
     solo = solo_groups[rank] if n > 1 else None
     rows = []
-    for name in OPTIMIZERS:
+    for name in optimizer_names(args):
         if rank == 0 and not args.quiet:
             print(f"training with {name} on {n} worker(s)", flush=True)
         rows.append(train_one(name, args, rank, n, device, solo, data))
@@ -209,6 +227,10 @@ def _spawned(rank, n, args, store, queue):
 def report(rows, n, args):
     print()
     print(format_table(rows, n))
+    for r in rows:
+        if r.get("inter_node_bytes_per_step") is not None:
+            print(f"{r['optimizer']}: of which between nodes {r['inter_node_bytes_per_step']:,} "
+                  "bytes / rank / step")
     if not all(r["ranks_in_sync"] for r in rows):
         print("WARNING: ranks ended with different parameters", file=sys.stderr)
     if args.plot:

@@ -67,6 +67,7 @@ def fused_dlion_step(
     backend=None,
     step=None,
     nonfinite="raise",
+    hierarchy=None,
 ) -> StepStats:
     """One Distributed Lion step; updates ``params`` and ``exp_avgs`` in place.
 
@@ -82,6 +83,9 @@ def fused_dlion_step(
         different steps raise ``StepMismatchError`` on every rank (header.py).
     nonfinite: "raise" (default) raises NonFiniteGradientError on every rank when any rank has an
         inf/NaN gradient; "skip" skips the step on every rank. Either way nothing is modified.
+    hierarchy: None (flat), "node" ($LOCAL_WORLD_SIZE ranks per node) or an int L: hierarchical
+        D-Lion over nodes of L consecutive ranks (hierarchy.py); only the elements of this rank's
+        momentum shard of ``exp_avgs`` are read and written.
     Returns StepStats with the bytes this rank sent and received.
     """
     beta1, beta2 = check_hyperparameters(lr, betas, weight_decay)
@@ -91,5 +95,14 @@ def fused_dlion_step(
         raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
     segment = Segment(list(params), list(grads), list(exp_avgs), float(lr), beta1, beta2,
                       float(weight_decay))
+    from . import hierarchy as hier  # imports this module's neighbours
+
+    ranks_per_node = hier.resolve_hierarchy(hierarchy)
+    if ranks_per_node > 1:
+        if step is None:
+            step = next(_auto_step)
+        return hier.run_hierarchical_step(
+            [segment], hier.FullMomentum(exp_avgs), ranks_per_node=ranks_per_node, mode=mode,
+            votes=votes, group=group, backend=backend, step=step, nonfinite=nonfinite)
     return run_step([segment], mode=mode, votes=votes, group=group, backend=backend, step=step,
                     nonfinite=nonfinite)

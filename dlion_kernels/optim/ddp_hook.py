@@ -47,6 +47,9 @@ def register_ddp_comm_hook(ddp_model, opt) -> None:
         raise TypeError(f"opt must be a dlion_kernels.DistributedLion, got {type(opt).__name__}")
     if opt._ddp_hooked:
         raise RuntimeError("opt already runs the D-Lion exchange of a DDP model")
+    if opt.ranks_per_node > 1:
+        raise ValueError("a DistributedLion with hierarchy (L > 1) cannot run in DDP's comm "
+                         "hook yet: use it without DDP's gradient sync")
     group = opt.group if opt.group is not None else dist.group.WORLD
     if group is not ddp_model.process_group and not (
         dist.get_world_size(group) == dist.get_world_size(ddp_model.process_group)

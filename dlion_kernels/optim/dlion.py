@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from ..exchange import hierarchy as hier
 from ..exchange.buckets import BucketEngine, check_bucket_mb
 from ..exchange.checks import (
     check_hyperparameters,
@@ -81,6 +82,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     ``foreach`` and ``fused`` are accepted and change nothing (every backend runs fused
     multi-tensor kernels); ``capturable=True`` and ``differentiable=True`` raise ``ValueError``.
+
+    ``hierarchy`` ("node" or an int L; None = flat): hierarchical D-Lion over nodes of L ranks
+    (``exchange/hierarchy.py``): exact gradient mean inside a node, the nodes vote. Each rank then
+    keeps momentum only for its shard, ~1/L of the elements: ``state[p]["exp_avg"]`` is 1-D and
+    covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L. Not
+    combined with ``overlap=True`` yet.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
@@ -103,11 +110,17 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         fused: bool | None = None,
         capturable: bool | None = None,
         differentiable: bool | None = None,
+        hierarchy=None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         check_options(mode, votes, backend, nonfinite)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        self.ranks_per_node = hier.resolve_hierarchy(hierarchy)
+        hier.check_world(group, self.ranks_per_node)
+        if overlap and self.ranks_per_node > 1:
+            raise ValueError("hierarchy (L > 1) and overlap=True are not combined yet: pass "
+                             "overlap=False with hierarchy")
         check_bucket_mb(bucket_mb)
         _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
                           differentiable=differentiable))
@@ -242,6 +255,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.ranks_per_node > 1:
+            if grad_scaler is not None and grad_scaler.is_enabled():
+                raise ValueError("fp16 GradScaler is not combined with hierarchy yet: use bf16 "
+                                 "autocast (no scaler) or hierarchy=None")
+            self.last_stats = self._hierarchical_step()
+            return loss
         device = next((p.device for g in self.param_groups for p in g["params"]),
                       torch.device("cpu"))
         if self._engine is not None or self._ddp_hooked:
@@ -271,6 +290,32 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             for p in params:
                 self.state[p]["step"] = ex.step + 1
         return loss
+
+    def _hierarchical_step(self) -> StepStats:
+        """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``."""
+        segments, states = [], []
+        for g in self.param_groups:
+            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            params = [p for p in g["params"] if p.requires_grad]
+            for p in params:
+                states.append(self.state[p])
+                states[-1].setdefault("step", 0)  # the momentum shard comes at the step
+            segments.append(Segment(params, [p.grad for p in params], [], float(g["lr"]), beta1,
+                                    beta2, float(g["weight_decay"])))
+        hier.check_tensors(*[sum((getattr(s, k) for s in segments), []) for k in ("params",
+                                                                                  "grads")])
+        step = max((state["step"] for state in states), default=0)
+        if getattr(self, "_shard", None) is None:
+            self._shard = hier.ShardedMomentum()
+        self._shard.states = states  # new dicts after load_state_dict: the shard is rebuilt
+        stats = hier.run_hierarchical_step(
+            segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
+            votes=self.votes, group=self.group, backend=self.backend, step=step,
+            nonfinite=self.nonfinite)
+        if not stats.skipped:
+            for state in states:
+                state["step"] = step + 1
+        return stats
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts floating state to the param's dtype; momentum stays fp32 here for exact

@@ -1,0 +1,416 @@
+"""Hierarchical D-Lion (SPEC §6): exact gradient mean inside a node, votes between nodes.
+
+n ranks form N = n / L nodes of L consecutive ranks. Node k is ranks kL .. kL+L-1; rank r has
+local rank l = r mod L. Process groups (built once per (world, L) and cached; every rank creates
+every group in the same order, as ``new_group`` requires):
+
+- intra-node group of node k: ranks kL .. kL+L-1 (fast links);
+- inter-node group of local rank l: ranks l, l+L, .., l+(N-1)L, one rank per node (slow links).
+
+Shard layout. The tensors are laid end to end in the block space of ``layout.py`` (32-element
+blocks, every tensor starting on a block). With T blocks in all, the inter-node sub-shard is
+S1 = shard_blocks(T, n) blocks and the node shard S = N * S1 blocks; the space is zero-padded to
+L * S = n * S1 blocks and local rank l owns blocks [l S, (l+1) S). A shard is a range of blocks,
+not a set of tensors: a tensor may straddle shards. Because S is a multiple of N, the inter-node
+exchange of a node shard needs no further padding, and the L tallied node shards laid side by
+side are exactly the flat aggregate of all T blocks.
+
+One step on rank r (local rank l, node k):
+
+1. every gradient is copied into a flat fp32 workspace of L S blocks (zeros elsewhere);
+   ``reduce_scatter_tensor`` (sum) inside the node leaves rank r the node's fp32 sum for its
+   shard, divided by L: the node-mean gradient, exact when the sum is;
+2. non-finite check on the shard, agreed across nodes (inter-node all_gather of one word) and
+   then inside the node (intra-node all_gather of [flag, step]): every rank takes the same
+   decision, and ranks at different steps raise, before anything is modified;
+3. local step on the shard with the rank's momentum shard (S * 32 fp32 elements, ~1/L of the
+   model): packed votes of the shard;
+4. the two-phase vote exchange of ``pipeline.py`` (one bucket: the shard; all_to_all with the
+   [flag, step] header, tally, all_gather) on the inter-node group with the N nodes as voters;
+   then the momentum shard is updated (m = b2 m + (1 - b2) g);
+5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element),
+   then every rank applies the full aggregate to all of its parameters with n = N.
+
+Step 5 gathers the packed aggregate instead of the updated parameters: it moves P_out bits per
+element inside the node instead of 16 or 32, needs no parameter workspace for mixed dtypes, and
+``apply`` is deterministic, so the parameters stay bit-identical on all n ranks. On the CPU it was
+also the faster of the two (bench/bench_hierarchy_gather.py; numbers in the README).
+
+The momentum is never gathered: a rank holds only its shard. The functional ``fused_dlion_step``
+reads and writes only the shard's elements of the full-size ``exp_avgs`` it is given;
+``DistributedLion`` keeps one flat fp32 buffer per rank and exposes per-parameter views of it as
+``state[p]["exp_avg"]`` (1-D, possibly empty) with ``state[p]["exp_avg_range"]`` = (lo, hi), the
+parameter's elements that the view covers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import backends
+from ..kernels.layout import BLOCK, block_offsets, shard_blocks
+from .checks import DTYPES, _check_tensor, check_params
+from .pipeline import (
+    _WORD_BYTES,
+    Exchange,
+    NonFiniteGradientError,
+    Row,
+    StepStats,
+    _BucketWork,
+    all_gather,
+    by_dtype,
+    check_group_device,
+)
+
+_F32_BYTES = 4
+_GROUPS: dict = {}
+
+
+@dataclass(frozen=True)
+class HierarchicalStepStats(StepStats):
+    """StepStats of a hierarchical step: ``bytes_sent`` is the total; intra- and inter-node bytes
+    are also given apart. ``world_size`` is n (all ranks); N = ``nodes`` voters."""
+
+    intra_node_bytes_sent: int = 0
+    inter_node_bytes_sent: int = 0
+    nodes: int = 1
+    ranks_per_node: int = 1
+
+
+# ----------------------------------------------------------------------------- the option
+
+
+def resolve_hierarchy(hierarchy) -> int:
+    """Ranks per node L for the ``hierarchy`` option: None -> 1 (flat), int L >= 1, "node" ->
+    $LOCAL_WORLD_SIZE. Does not look at the process group (see ``topology``)."""
+    if hierarchy is None:
+        return 1
+    if isinstance(hierarchy, str):
+        if hierarchy == "node":
+            value = os.environ.get("LOCAL_WORLD_SIZE")
+            if value is None or not value.isdigit() or int(value) < 1:
+                raise ValueError(
+                    'hierarchy="node" takes the ranks per node from $LOCAL_WORLD_SIZE (set by '
+                    f"torchrun), which is {value!r}; pass hierarchy=L (an int) instead"
+                )
+            return int(value)
+        if hierarchy == "auto":
+            # Integration point for the runtime model: DistributedLion.__init__ would resolve
+            # "auto" to dlion_kernels.plan.choose_hierarchy(n, $LOCAL_WORLD_SIZE, numel,
+            # mode=..., **inputs) (1 = flat) before calling this; what is missing is where the
+            # link and compute inputs come from (a --measure result, inputs_from_json).
+            raise ValueError(
+                'hierarchy="auto" is not available yet: the runtime model that chooses L is not '
+                'wired in; pass hierarchy="node", an int L, or None'
+            )
+    elif isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1:
+        return hierarchy
+    raise ValueError(
+        f'hierarchy must be None, "node", or an int L >= 1 (ranks per node), got {hierarchy!r}'
+    )
+
+
+def check_world(group, ranks_per_node: int) -> None:
+    """ValueError now, before any step, if the initialized world does not form nodes of L."""
+    if ranks_per_node > 1 and dist.is_available() and dist.is_initialized():
+        if group is not None and group != dist.group.WORLD:
+            raise ValueError("hierarchy works on the default process group only: pass "
+                             "group=None")
+        n = dist.get_world_size()
+        if n % ranks_per_node:
+            raise ValueError(
+                f"hierarchy: the {n} ranks do not form nodes of {ranks_per_node} ranks (n must "
+                "be a multiple of the ranks per node L)"
+            )
+
+
+@dataclass(frozen=True)
+class Topology:
+    n: int
+    ranks_per_node: int  # L
+    nodes: int  # N
+    node: int
+    local: int
+    intra: object  # process group of this rank's node
+    inter: object  # process group of this rank's local rank across nodes
+
+
+def topology(group, ranks_per_node: int) -> Topology:
+    """The nodes of the default process group, with cached groups (collective on first call)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("hierarchy needs an initialized default process group (torchrun)")
+    check_world(group, ranks_per_node)
+    n, L = dist.get_world_size(), ranks_per_node
+    key = (id(dist.group.WORLD), n, L)
+    if key not in _GROUPS:
+        N = n // L
+        intra = [dist.new_group(list(range(k * L, (k + 1) * L))) for k in range(N)]
+        # with N == 1 these are one-rank groups: the exchange then runs without a collective
+        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)]
+        _GROUPS[key] = (intra, inter)
+    intra, inter = _GROUPS[key]
+    rank = dist.get_rank()
+    node, local = divmod(rank, L)
+    return Topology(n, L, n // L, node, local, intra[node], inter[local])
+
+
+def check_tensors(params, grads) -> None:
+    """``checks.check_tensors`` without the momentum (a hierarchical optimizer keeps shards)."""
+    check_params(params)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is not None:
+            _check_tensor("grads", i, g, p, DTYPES)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's shard lies in the block space of the step's tensors (numels)."""
+
+    numels: tuple
+    offsets: tuple  # block offset of each tensor
+    total: int  # T blocks
+    sub: int  # S1: blocks per inter-node sub-shard
+    shard: int  # S = N * S1: blocks per node shard
+    start: int  # first block of this rank's shard
+
+    @classmethod
+    def build(cls, numels, topo: Topology) -> ShardLayout:
+        numels = tuple(numels)
+        offsets, total = block_offsets(numels)
+        sub = shard_blocks(total, topo.n)
+        shard = topo.nodes * sub
+        return cls(numels, tuple(offsets), total, sub, shard, topo.local * shard)
+
+    def piece(self, i: int) -> tuple[int, int, int]:
+        """(lo, hi, at): elements lo..hi of tensor i are shard elements at..at + hi - lo."""
+        base = BLOCK * (self.offsets[i] - self.start)  # tensor i's element 0, shard-relative
+        lo = min(max(0, -base), self.numels[i])
+        hi = max(min(self.numels[i], BLOCK * self.shard - base), lo)
+        return lo, hi, base + lo
+
+    def block_range(self, first: int, last: int) -> tuple[int, int]:
+        """Shard-relative blocks of tensors first..last-1 (a param group), clipped to the shard."""
+        if first >= last:
+            return 0, 0
+        begin = self.offsets[first]
+        end = self.offsets[last - 1] + -(-self.numels[last - 1] // BLOCK)
+        lo = min(max(begin - self.start, 0), self.shard)
+        return lo, max(min(end - self.start, self.shard), lo)
+
+
+# ----------------------------------------------------------------------------- momentum
+
+
+class FullMomentum:
+    """The functional API's momentum: full-size exp_avgs, of which only the shard is used."""
+
+    def __init__(self, exp_avgs):
+        self.exp_avgs = list(exp_avgs)
+
+    def shard(self, layout: ShardLayout, device) -> torch.Tensor:
+        self.layout = layout
+        buf = torch.zeros(layout.shard * BLOCK, dtype=torch.float32, device=device)
+        for i, m in enumerate(self.exp_avgs):
+            lo, hi, at = layout.piece(i)
+            if hi > lo:
+                buf[at : at + hi - lo].copy_(m.reshape(-1)[lo:hi])
+        self.buf = buf
+        return buf
+
+    def commit(self) -> None:
+        for i, m in enumerate(self.exp_avgs):
+            lo, hi, at = self.layout.piece(i)
+            if hi <= lo:
+                continue
+            if m.is_contiguous():
+                m.view(-1)[lo:hi].copy_(self.buf[at : at + hi - lo])
+            else:
+                flat = m.reshape(-1).clone()
+                flat[lo:hi] = self.buf[at : at + hi - lo]
+                m.copy_(flat.view_as(m))
+
+
+class ShardedMomentum:
+    """``DistributedLion``'s momentum: one flat fp32 buffer of the rank's shard, and per-param
+    views of it in the optimizer state (which ``state_dict`` saves, and which resume restores)."""
+
+    def __init__(self):
+        self.states = []  # optimizer state dicts, one per tensor of the step, in order
+        self.layout = None
+        self.buf = None
+
+    def shard(self, layout: ShardLayout, device) -> torch.Tensor:
+        current = all(
+            "exp_avg" in s and s["exp_avg"].untyped_storage().data_ptr() == self._ptr()
+            for s in self.states
+        )
+        if layout == self.layout and current:
+            return self.buf
+        buf = torch.zeros(layout.shard * BLOCK, dtype=torch.float32, device=device)
+        for i, state in enumerate(self.states):
+            lo, hi, at = layout.piece(i)
+            if "exp_avg" in state:  # a loaded (or earlier) shard: it must cover the same range
+                saved = tuple(state.get("exp_avg_range", ()))
+                if saved != (lo, hi):
+                    raise ValueError(
+                        f"momentum shard {saved} of parameter {i} does not match this rank's "
+                        f"shard ({lo}, {hi}): resume with the same world size and hierarchy"
+                    )
+                buf[at : at + hi - lo].copy_(state["exp_avg"].reshape(-1))
+            state["exp_avg"] = buf[at : at + hi - lo]
+            state["exp_avg_range"] = (lo, hi)
+        self.layout, self.buf = layout, buf
+        return buf
+
+    def _ptr(self):
+        return None if self.buf is None else self.buf.untyped_storage().data_ptr()
+
+    def commit(self) -> None:
+        pass  # the state views share the buffer
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
+                          step, nonfinite) -> HierarchicalStepStats:
+    """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
+    momentum comes from ``momentum``, a FullMomentum or ShardedMomentum)."""
+    topo = topology(group, ranks_per_node)
+    L, N = topo.ranks_per_node, topo.nodes
+    tensors = [p for s in segments for p in s.params]
+    grads_all = [g for s in segments for g in s.grads]
+    numel = sum(t.numel() for t in tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    check_group_device(dist.group.WORLD, topo.n, device)
+    name = backends.resolve(backend, device)
+    # The inter-node exchange: the two-phase protocol of pipeline.py on this rank's inter-node
+    # group (N voters), one bucket = this rank's shard of S = N * S1 blocks.
+    ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter, backend=name,
+                  step=step, nonfinite=nonfinite)
+    stages, ternary = ex.stages, ex.ternary
+    layout = ShardLayout.build((t.numel() for t in tensors), topo)
+    S = layout.shard
+    intra = inter = 0
+
+    def stats(skipped=False):
+        return HierarchicalStepStats(
+            bytes_sent=intra + inter, bytes_received=intra + inter, numel=numel,
+            world_size=topo.n, mode=mode, votes=votes, backend=name, skipped=skipped,
+            intra_node_bytes_sent=intra, inter_node_bytes_sent=inter, nodes=N,
+            ranks_per_node=L)
+
+    # 1. node-mean gradient of this rank's shard, fp32 sums
+    work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
+    for g, off, t in zip(grads_all, layout.offsets, tensors):
+        if g is not None and t.numel() > 0:
+            work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
+    grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
+    if L > 1:
+        dist.reduce_scatter_tensor(grad, work, op=dist.ReduceOp.SUM, group=topo.intra)
+        grad.div_(L)
+        intra += (L - 1) * S * BLOCK * _F32_BYTES
+    else:
+        grad.copy_(work)
+    del work
+
+    # 2. one decision for all n ranks, before anything is modified: a non-finite value in any
+    # gradient reaches the sum of exactly one shard (NaN and inf propagate through the fp32 sum;
+    # an overflow counts too). Across nodes first, then inside the node with the step number.
+    flag = stages.nonfinite([grad])
+    if N > 1:
+        flags = torch.empty(N, dtype=torch.int32, device=device)
+        all_gather(flags, flag, topo.inter)
+        flag = flags.any().to(torch.int32).view(1)
+        inter += (N - 1) * _WORD_BYTES
+    header = torch.cat([flag, torch.tensor([step], dtype=torch.int32, device=device)])
+    if L > 1:
+        headers = torch.empty(L, 2, dtype=torch.int32, device=device)
+        all_gather(headers.view(-1), header, topo.intra)
+        intra += (L - 1) * 2 * _WORD_BYTES
+        header = headers.cpu()
+    else:
+        header = header.view(1, 2).cpu()
+    _check_steps(header[:, 1], step)
+    if bool(header[:, 0].any()):
+        if nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "a gradient holds inf or NaN on at least one rank (or a node's gradient sum "
+                "overflowed); nothing was updated on any rank (pass nonfinite='skip' to skip "
+                "such steps instead)"
+            )
+        return stats(skipped=True)
+
+    # 3-4. local step on the shard (one row per param group: each has its own betas), votes
+    # between nodes; the [flag, step] header of every all_to_all chunk checks the steps of the
+    # other nodes.
+    exp_avg = momentum.shard(layout, device)
+    rows, first = [], 0
+    for s in segments:
+        lo, hi = layout.block_range(first, first + len(s.params))
+        first += len(s.params)
+        if hi > lo:
+            part = slice(BLOCK * lo, BLOCK * hi)
+            rows.append(Row(grad[part], grad[part], exp_avg[part], lo, s))
+    bucket = _BucketWork(rows, S, ex)
+    bucket.start()
+    bucket.reduce()
+    bucket.wait()
+    inter += ex.sent
+    _check_steps(bucket.header[:, 1].cpu(), step)
+
+    # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
+    for r in rows:
+        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
+        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+        r.exp_avg.copy_(b2 * r.exp_avg + omb2 * r.grad)
+    momentum.commit()
+
+    # 5. the node's aggregate shards side by side are the flat aggregate; apply everywhere
+    owned = bucket.aggregate
+    if L > 1:
+        aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
+        all_gather(aggregate, owned, topo.intra)
+        intra += (L - 1) * owned.numel() * _WORD_BYTES
+    else:
+        aggregate = owned
+    _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
+    return stats()
+
+
+def _check_steps(steps, step) -> None:
+    if bool((steps != step).any()):
+        other = next(int(s) for s in steps.flatten().tolist() if s != step)
+        raise StepMismatchError(
+            f"ranks are at different steps: this rank is at step {step}, another at step "
+            f"{other}; every rank must call step() the same number of times; nothing was "
+            "updated on any rank")
+
+
+def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
+    """x = x - lr (D + wd x) for every parameter (not the momentum: only the shard has one)."""
+    offset_iter = iter(offsets)
+    for s in segments:
+        rows = [(p, next(offset_iter)) for p in s.params]
+        rows = [(p, off) for p, off in rows if p.numel() > 0]
+        for part in by_dtype(rows):
+            params, offs = zip(*part)
+            work = [p if p.is_contiguous() else p.contiguous() for p in params]
+            if stages.v2:  # v2's apply also updates a momentum: a throwaway one, beta2 = 1
+                scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                           for w in work]
+                stages.k.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
+                               s.weight_decay, 1.0, n, mode, ternary, skip=None)
+            else:
+                stages.k.apply(work, aggregate, list(offs), s.lr, s.weight_decay, n, mode,
+                               ternary)
+            for p, w in zip(params, work):
+                if w is not p:
+                    p.copy_(w)
