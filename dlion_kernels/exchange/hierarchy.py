@@ -54,6 +54,7 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
+from .header import StepMismatchError
 from .pipeline import (
     _WORD_BYTES,
     Exchange,
