@@ -9,9 +9,10 @@ Floors (each imports only from the floors below it):
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
-from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
+from .exchange.step import NonFiniteGradientError, StepMismatchError, StepStats, fused_dlion_step
 from .kernels.backends import BackendUnavailable, available_backends
 from .optim.accum import AccumAdamW, AccumLion
+from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
 
 __all__ = [
@@ -20,8 +21,10 @@ __all__ = [
     "BackendUnavailable",
     "DistributedLion",
     "NonFiniteGradientError",
+    "StepMismatchError",
     "StepStats",
     "available_backends",
     "fused_dlion_step",
+    "register_ddp_comm_hook",
 ]
 __version__ = "0.1.0"

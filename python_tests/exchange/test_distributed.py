@@ -108,9 +108,9 @@ def simulate(n, mode, votes, dtype):
 
 def spec_bound(n, mode, votes, d, tensors):
     """SPEC §2 bytes sent per rank, plus the documented padding: one word per tensor and per
-    rank in each plane, and the 4-byte non-finite flag to each peer."""
+    rank in each plane, and the 8-byte header (non-finite flag, step) to each peer."""
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
-    return (n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n) + 4 * (n - 1)
+    return (n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n) + 8 * (n - 1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

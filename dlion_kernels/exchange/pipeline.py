@@ -1,0 +1,406 @@
+"""The D-Lion exchange, bucket by bucket: two collectives per bucket, started as soon as the
+bucket's gradients are final and finished at ``step()``.
+
+Per bucket (its own block space, ``buckets.py``; n ranks, rank r owns shard r of the blocks):
+
+    start:   check (non-finite flag) -> local step (packed votes, momentum read only)
+             -> send buffer [n, HEADER + shard * P_in] (chunk j = header + votes of shard j)
+             -> all_to_all_single (async)
+    reduce:  wait for it -> tally the owned shard -> all_gather of the packed aggregate (async)
+    finish:  wait for the gathers -> one skip decision for all buckets -> apply
+             (params and momentum; nothing at all when skipped)
+
+The header is two int32 words, ``[non-finite flag, step]``, copied into every chunk of the
+all_to_all payload. So after the first collective every rank holds every rank's flag and step
+for this bucket: all ranks take the same skip/raise decision, and ranks on different steps
+raise an error naming both steps instead of mixing steps. There is no third collective; the
+header costs 8 bytes per peer per bucket. Momentum is written only by ``apply`` (kernel stages
+v2), which takes the skip flag as a device tensor, so a non-finite gradient on any rank leaves
+every parameter and momentum of every rank unchanged even though the votes of earlier buckets
+were exchanged during backward.
+
+Ordering. The collectives of a step are issued in the same order on every rank, whatever the
+timing: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
+when bucket k+1 starts, lag one, so a host wait on bucket k's all_to_all -- only gloo waits on
+the host -- usually finds it complete), then the remaining reduces at ``finish``.
+
+Streams (CUDA; on CPU every call below is a no-op and the same code runs):
+- ``start`` runs where the gradient was produced (the autograd thread, its current stream S).
+  It records an event on S and makes the side stream C wait on it (``C.wait_event``; the host
+  does not wait). The check, the local step, the header copy and the all_to_all are issued on C,
+  so NCCL's stream follows C, and backward goes on on S.
+- ``reduce`` runs on C too: ``work.wait()`` makes C (not the host) wait for NCCL; the tally and
+  the all_gather follow on C. The tally is on the communication side.
+- ``finish`` makes the caller's stream wait for C (``wait_stream``, an event) and applies there.
+  Buffers cross streams with ``record_stream`` so the caching allocator does not reuse them
+  early. The skip flag stays on the device for ``apply``; the host reads the header words once
+  per step, at the end, to raise (``nonfinite="raise"``, a step mismatch) and to know whether
+  the step counter advances.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import backends
+from ..kernels.layout import aggregate_planes, shard_blocks, vote_planes
+
+_WORD_BYTES = 4
+HEADER_WORDS = 2  # [non-finite flag, step]
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held inf or NaN on some rank; no rank changed anything."""
+
+
+class StepMismatchError(RuntimeError):
+    """Ranks called the exchange at different step numbers; no rank changed anything."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did on this rank. Bytes are what this rank's collectives sent/received."""
+
+    bytes_sent: int
+    bytes_received: int
+    numel: int
+    world_size: int
+    mode: str
+    votes: str
+    backend: str
+    skipped: bool = False
+    buckets: int = 1
+
+    @property
+    def allreduce_fp32_bytes(self) -> int:
+        """Bytes a ring all-reduce of fp32 gradients would send per rank: 2 (n-1)/n * 4d."""
+        n = self.world_size
+        return round(2 * (n - 1) / n * 4 * self.numel)
+
+
+@dataclass
+class Segment:
+    """Tensors that share hyper-parameters (a param group)."""
+
+    params: list
+    grads: list
+    exp_avgs: list
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+
+
+@dataclass
+class Row:
+    """One tensor of a bucket: contiguous param/grad/momentum, its block offset in the bucket,
+    and the segment whose hyper-parameters apply to it."""
+
+    param: torch.Tensor
+    grad: torch.Tensor | None
+    exp_avg: torch.Tensor
+    offset: int
+    segment: Segment
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def all_gather(output, input, group, async_op=False):
+    """all_gather_into_tensor, under the name torch uses from 2.13 on (all_gather_single)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def resolve_group(group):
+    if group is not None:
+        return group, dist.get_world_size(group)
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, dist.get_world_size()
+    return None, 1
+
+
+def check_group_device(group, n: int, device: torch.device) -> None:
+    if n == 1:
+        return
+    name = str(dist.get_backend(group)).lower()
+    if device.type == "cpu" and name == "nccl":
+        raise ValueError("CPU tensors need a gloo process group; this group uses NCCL")
+    if device.type == "cuda" and "nccl" not in name:
+        raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
+
+
+def by_dtype(items):
+    """Group (tensor-or-None, ...) tuples by the dtype of their first tensor, keeping order."""
+    groups: dict = {}
+    for item in items:
+        key = item[0].dtype if item[0] is not None else None
+        groups.setdefault(key, []).append(item)
+    if None in groups and len(groups) > 1:  # None gradients ride along with any launch
+        first = next(k for k in groups if k is not None)
+        groups[first] += groups.pop(None)
+    return list(groups.values())
+
+
+class _Stages:
+    """A backend's stages with the v2 signatures (kernel stages v2, TEAM.md): local_step leaves
+    the momentum alone, apply writes it and takes a device skip flag. A v1 backend (local_step
+    writes m, apply has no skip) is adapted: the vote is taken on a copy of the momentum, and
+    apply runs v1's update of m (local_step into a scratch vote buffer) after v1's apply."""
+
+    def __init__(self, kernels):
+        self.k = kernels
+        self.v2 = "skip" in inspect.signature(kernels.apply).parameters
+        self.nonfinite, self.tally = kernels.nonfinite, kernels.tally
+
+    def local_step(self, grads, exp_avgs, votes, offsets, beta1, ternary):
+        if self.v2:
+            self.k.local_step(grads, exp_avgs, votes, offsets, beta1, ternary)
+        else:
+            copies = [m.clone() for m in exp_avgs]
+            self.k.local_step(grads, copies, votes, offsets, beta1, 0.0, ternary)
+
+    def apply(self, params, grads, exp_avgs, aggregate, offsets, lr, wd, beta2, n, mode,
+              ternary, skip):
+        if self.v2:
+            self.k.apply(params, grads, exp_avgs, aggregate, offsets, lr, wd, beta2, n, mode,
+                         ternary, skip=skip)
+            return
+        if skip is not None and bool(skip.item()):
+            return
+        self.k.apply(params, aggregate, offsets, lr, wd, n, mode, ternary)
+        scratch_offsets, total = [], 0
+        for m in exp_avgs:
+            scratch_offsets.append(total)
+            total += (m.numel() + 31) // 32
+        scratch = torch.empty(2 * max(total, 1), dtype=torch.int32, device=aggregate.device)
+        self.k.local_step(grads, exp_avgs, scratch, scratch_offsets, 0.0, beta2, ternary)
+
+
+class Streams:
+    """The side stream of the module docstring; every method is a no-op off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.device = device
+
+    def side_waits_current(self) -> None:
+        if self.cuda:
+            self.side.wait_event(torch.cuda.current_stream(self.device).record_event())
+
+    def on_side(self):
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+
+    def current_waits_side(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def used_on_side(self, tensors) -> None:
+        if self.cuda:
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(self.side)
+
+    def used_on_current(self, tensors) -> None:
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(current)
+
+
+# ----------------------------------------------------------------------------- one bucket
+
+
+class _BucketWork:
+    """One bucket of one step: the buffers and in-flight work of its two collectives."""
+
+    def __init__(self, rows, blocks, ex: Exchange):
+        self.rows, self.blocks, self.ex = rows, blocks, ex
+        self.numel = sum(r.param.numel() for r in rows)
+        self.shard = shard_blocks(blocks, ex.n)
+        self.a2a = self.gather = None
+
+    def start(self) -> None:
+        ex, n, shard = self.ex, self.ex.n, self.shard
+        rows = [r for r in self.rows if r.param.numel() > 0]  # empty tensors own no block
+        device = ex.device
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        for part in by_dtype([(r.grad,) for r in rows if r.grad is not None]):
+            flag |= ex.stages.nonfinite([g for (g,) in part])
+        votes = torch.zeros(n * shard * ex.p_in, dtype=torch.int32, device=device)
+        for seg_rows in _by_segment(rows):
+            beta1 = seg_rows[0].segment.beta1
+            for part in by_dtype([(r.grad, r.exp_avg, r.offset) for r in seg_rows]):
+                g, m, off = zip(*part)
+                ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
+        width = HEADER_WORDS + shard * ex.p_in
+        self.send = torch.empty(n, width, dtype=torch.int32, device=device)
+        self.send[:, 0] = flag
+        self.send[:, 1] = ex.step
+        self.send[:, HEADER_WORDS:] = votes.view(n, -1)
+        if n == 1:
+            self.received = self.send
+        else:
+            self.received = torch.empty_like(self.send)
+            self.a2a = dist.all_to_all_single(self.received.view(-1), self.send.view(-1),
+                                              group=ex.group, async_op=True)
+            ex.sent += (n - 1) * width * _WORD_BYTES
+
+    def reduce(self) -> None:
+        ex, n = self.ex, self.ex.n
+        if self.a2a is not None:
+            self.a2a.wait()  # CUDA: the side stream waits for NCCL, not the host
+        self.header = self.received[:, :HEADER_WORDS]
+        stacked = self.received[:, HEADER_WORDS:].contiguous()
+        if n == 1:
+            self.aggregate = torch.empty(self.shard * ex.p_out, dtype=torch.int32,
+                                         device=ex.device)
+            ex.stages.tally(stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.step)
+            return
+        owned = torch.empty(self.shard * ex.p_out, dtype=torch.int32, device=ex.device)
+        ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.step)
+        self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
+                                     device=ex.device)
+        self.gather = all_gather(self.aggregate, owned, ex.group, async_op=True)
+        self.owned = owned  # alive until the gather is done
+        ex.sent += (n - 1) * self.shard * ex.p_out * _WORD_BYTES
+
+    def wait(self) -> None:
+        if self.gather is not None:
+            self.gather.wait()
+
+    def apply(self, skip) -> None:
+        ex = self.ex
+        rows = [r for r in self.rows if r.param.numel() > 0]
+        for seg_rows in _by_segment(rows):
+            s = seg_rows[0].segment
+            for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
+                p, g, m, off = zip(*part)
+                ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
+                                s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary, skip)
+
+
+def _by_segment(rows):
+    """Consecutive rows grouped by segment (rows of one segment share hyper-parameters)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(id(r.segment), []).append(r)
+    return list(groups.values())
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+class Exchange:
+    """The exchanges of one step, bucket by bucket.
+
+    ``add(rows, blocks)`` starts a bucket (and reduces the previous one); ``finish()`` reduces
+    what is left, waits, decides skip/raise for all buckets at once, applies and returns the
+    step's ``StepStats``. Rows' segments are read at ``add`` for beta1 and at ``finish`` for
+    lr, beta2 and weight_decay (so an LR scheduler between backward and step takes effect).
+    """
+
+    def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
+                 streams: Streams | None = None):
+        self.group, self.n = resolve_group(group)
+        self.device = torch.device(device)
+        check_group_device(self.group, self.n, self.device)
+        self.backend = backends.resolve(backend, self.device)
+        self.stages = _Stages(backends.get(self.backend))
+        self.mode, self.votes, self.nonfinite = mode, votes, nonfinite
+        self.ternary = votes == "ternary"
+        self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)
+        self.step = int(step)
+        self.streams = streams if streams is not None else Streams(self.device)
+        self.works: list[_BucketWork] = []
+        self.reduced = 0
+        self.sent = 0
+        self.write_back: list = []
+
+    def row(self, param, grad, exp_avg, offset: int, segment: Segment) -> Row:
+        """A bucket row; non-contiguous params/momenta are worked on through copies written
+        back at finish, non-contiguous gradients through copies."""
+        return Row(self._contiguous(param), None if grad is None else grad.contiguous(),
+                   self._contiguous(exp_avg), offset, segment)
+
+    def _contiguous(self, t):
+        if t.is_contiguous():
+            return t
+        c = t.contiguous()
+        self.write_back.append((t, c))
+        return c
+
+    def add(self, rows: list[Row], blocks: int) -> None:
+        work = _BucketWork(rows, blocks, self)
+        self.streams.side_waits_current()
+        self.streams.used_on_side([r.grad for r in rows])
+        with self.streams.on_side():
+            work.start()
+            self.works.append(work)
+            if len(self.works) >= 2:  # lag one: the previous bucket's tally and gather
+                self._reduce_upto(len(self.works) - 1)
+
+    def _reduce_upto(self, k: int) -> None:
+        while self.reduced < k:
+            self.works[self.reduced].reduce()
+            self.reduced += 1
+
+    def finish(self) -> StepStats:
+        with self.streams.on_side():
+            self._reduce_upto(len(self.works))
+            for w in self.works:
+                w.wait()
+            if self.works:
+                headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
+            else:
+                headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
+                                      device=self.device)
+            # One device flag for all buckets: any rank's non-finite gradient, or a rank at
+            # another step, skips every apply of every rank.
+            skip = (headers[..., 0].amax() | (headers[..., 1] != self.step).any()).view(1) \
+                if self.works else None
+        self.streams.current_waits_side()
+        self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
+        for w in self.works:
+            w.apply(skip)
+        headers = headers.cpu()  # the one host read per step, after the applies are issued
+        steps, flags = headers[..., 1], headers[..., 0]
+        numel = sum(w.numel for w in self.works)
+        if bool((steps != self.step).any()):
+            others = sorted({int(s) for s in steps.flatten().tolist()} - {self.step})
+            raise StepMismatchError(
+                f"ranks are at different steps: this rank is at step {self.step}, another at "
+                f"step {others[0]}; every rank must call step() (and backward()) the same number "
+                "of times; nothing was updated on any rank")
+        skipped = bool(flags.any())
+        if skipped and self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
+                "rank (pass nonfinite='skip' to skip such steps instead)")
+        for original, copy in self.write_back:
+            original.copy_(copy)
+        return StepStats(self.sent, self.sent, numel, self.n, self.mode, self.votes,
+                         self.backend, skipped=skipped, buckets=len(self.works))
+
+
+def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
+                streams=None) -> StepStats:
+    """One step of already-validated ``segments`` exchanged as ``buckets``: a list of
+    ``(blocks, [(segment index, tensor index, block offset), ...])``."""
+    tensors = [t for s in segments for t in s.params]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
+                  nonfinite=nonfinite, streams=streams)
+    for blocks, entries in buckets:
+        rows = []
+        for s, i, off in entries:
+            seg = segments[s]
+            rows.append(ex.row(seg.params[i], seg.grads[i], seg.exp_avgs[i], off, seg))
+        ex.add(rows, blocks)
+    return ex.finish()

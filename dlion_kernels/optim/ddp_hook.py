@@ -1,0 +1,68 @@
+"""``register_ddp_comm_hook``: D-Lion for models wrapped in DistributedDataParallel.
+
+Hugging Face Trainer, Accelerate and Lightning wrap the model in DDP themselves. With this hook
+DDP's own buckets run the D-Lion exchange instead of the gradient all-reduce: when DDP has a
+bucket's gradients (in its flat buffer, during backward, in the same bucket order on every rank),
+the hook starts that bucket's check, local step and ``all_to_all`` (``DistributedLion``'s
+bucket path, ``exchange/pipeline.py``), and ``opt.step()`` finishes the exchanges and applies.
+
+The hook returns a completed future holding DDP's own buffer, untouched: DDP copies it back into
+``.grad``, so every rank keeps its *local* gradient (its momentum needs exactly that), and no
+all-reduce runs. DDP's ``no_sync()``, ``find_unused_parameters`` (an unused parameter's gradient
+is zero in the buffer, which D-Lion counts like ``None``) and ``static_graph`` work as usual.
+Parameters of the optimizer that no DDP bucket carried this step are exchanged by ``step()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .dlion import DistributedLion
+
+
+def _dlion_hook(opt: DistributedLion, bucket) -> torch.futures.Future:
+    opt._exchange_bucket(list(bucket.parameters()), list(bucket.gradients()))
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def register_ddp_comm_hook(ddp_model, opt) -> None:
+    """Make ``ddp_model``'s gradient buckets run ``opt``'s D-Lion exchange instead of the
+    all-reduce; call ``opt.step()`` after ``backward()`` as usual.
+
+    ddp_model: a ``torch.nn.parallel.DistributedDataParallel``.
+    opt: a ``DistributedLion`` over exactly the wrapped model's trainable parameters, on DDP's
+        process group. Its mode, votes, lr, betas and weight decay apply; its ``overlap``
+        setting does not matter (DDP's buckets decide; its own hooks are removed).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError("ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
+                        f"{type(ddp_model).__name__}")
+    if not isinstance(opt, DistributedLion):
+        raise TypeError(f"opt must be a dlion_kernels.DistributedLion, got {type(opt).__name__}")
+    if opt._ddp_hooked:
+        raise RuntimeError("opt already runs the D-Lion exchange of a DDP model")
+    group = opt.group if opt.group is not None else dist.group.WORLD
+    if group is not ddp_model.process_group and not (
+        dist.get_world_size(group) == dist.get_world_size(ddp_model.process_group)
+        and dist.get_process_group_ranks(group)
+        == dist.get_process_group_ranks(ddp_model.process_group)
+    ):
+        raise ValueError("opt.group must be the DDP model's process group "
+                         "(DistributedLion(..., group=ddp_model.process_group))")
+    mine = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    theirs = {id(p) for p in ddp_model.parameters() if p.requires_grad}
+    if mine != theirs:
+        raise ValueError(
+            f"opt must hold exactly the DDP model's trainable parameters: {len(mine - theirs)} "
+            f"of opt's are not in the model and {len(theirs - mine)} of the model's are not in "
+            "opt")
+    ddp_model.register_comm_hook(opt, _dlion_hook)  # DDP raises if a hook is already set
+    if opt._engine is not None:
+        opt._engine.remove()
+        opt._engine = None
+    opt._ddp_hooked = True
