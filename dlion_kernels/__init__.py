@@ -9,6 +9,7 @@ Floors (each imports only from the floors below it):
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
+from .decentralized.wrapper import DecentralizedDataParallel
 from .exchange.step import NonFiniteGradientError, StepMismatchError, StepStats, fused_dlion_step
 from .kernels.backends import BackendUnavailable, available_backends
 from .optim.accum import AccumAdamW, AccumLion
@@ -19,6 +20,7 @@ __all__ = [
     "AccumAdamW",
     "AccumLion",
     "BackendUnavailable",
+    "DecentralizedDataParallel",
     "DistributedLion",
     "NonFiniteGradientError",
     "StepMismatchError",

@@ -74,7 +74,7 @@ def test_alternating_exp_ring(n, L):
         # every pair does both phases within each round (opposite phase for neighbours)
     if nodes >= 4:
         t0 = schedule("alternating-exp-ring", n, L, 0)
-        assert tuple(range(0, L)) in t0  # pair 0 starts inside its nodes
+        assert tuple(range(L)) in t0  # pair 0 starts inside its nodes
         assert tuple(range(2 * L, 3 * L)) + tuple(range(3 * L, 4 * L)) in t0  # pair 1: across
 
 
