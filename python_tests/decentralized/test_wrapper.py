@@ -2,6 +2,7 @@
 mean step, consensus at lr = 0, exact resume, global_average, bf16 gossip, errors."""
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _flat(module):
 class _RecordingSGD(torch.optim.SGD):
     """SGD that records the gradients it steps with (taken at the un-mixed point)."""
 
-    log: list = []
+    log: ClassVar[list] = []
 
     def step(self, closure=None):
         for p in self.param_groups[0]["params"]:
