@@ -205,3 +205,51 @@ def test_resume_global_average_bf16_clip_errors():
     for r in results:
         assert r["bf16"][1] * 2 == r["fp32"][1] > 0
         torch.testing.assert_close(r["bf16"][0], r["fp32"][0], rtol=0, atol=2e-2)
+
+
+def test_single_process_is_plain_training_and_no_sync_accumulates():
+    """Without a process group (n = 1) the wrapper is the optimizer, stepped inside backward;
+    no_sync() accumulates micro-batches and the last backward steps once with their sum."""
+    model, ref = _model(0), _model(0)
+    ddp = dk.DecentralizedDataParallel(
+        model, lambda ps: dk.AccumAdamW(ps, lr=1e-2, accum_steps=2), topology="ring",
+        bucket_mb=0.0005)
+    opt = dk.AccumAdamW(ref.parameters(), lr=1e-2, accum_steps=2)
+    for it in range(4):
+        x, y = _batch(0, it)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    assert torch.equal(_flat(model), _flat(ref))
+    assert all(p.grad is None for p in model.parameters())
+
+    sgd_model = _model(1)
+    ddp = dk.DecentralizedDataParallel(sgd_model, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    start = _flat(sgd_model)
+    total = None
+    probe = _model(1)
+    for it in range(3):
+        x, y = _batch(0, it)
+        probe.zero_grad()
+        torch.nn.functional.mse_loss(probe(x), y).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
+        total = g if total is None else total + g
+        if it < 2:
+            with ddp.no_sync():
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+            assert torch.equal(_flat(sgd_model), start)  # nothing stepped yet
+        else:
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+    torch.testing.assert_close(_flat(sgd_model), start - 0.5 * total, rtol=0, atol=1e-6)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="topology must be one of"):
+        dk.DecentralizedDataParallel(_model(0), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                     topology="star")
+    with pytest.raises(ValueError, match="gossip_dtype"):
+        dk.DecentralizedDataParallel(_model(0), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                     gossip_dtype="int8")
+    with pytest.raises(TypeError, match="optimizer_fn"):
+        dk.DecentralizedDataParallel(_model(0), None)
