@@ -12,6 +12,12 @@
 #ifdef DLION_WITH_CUDA
 #include "cuda/ops.h"
 #endif
+// --- AccumAdamW / AccumLion (decentralized training, SPEC §7) ---
+#include "accum_common.h"
+#include "cpu/accum_kernels.h"
+#ifdef DLION_WITH_CUDA
+#include "cuda/accum_ops.h"
+#endif
 
 namespace py = pybind11;
 using dlion::DType;
@@ -25,7 +31,23 @@ T* ptr(int64_t address) {
 }
 }  // namespace
 
+// --- AccumAdamW / AccumLion: the scalars of one call (kernels/accum.py), rounded to fp32 once ---
+namespace {
+dlion::accum::AdamWArgs adamw_args(double decay, double inv_k, double b1, double omb1, double b2,
+                                   double omb2, double step_size, double bc2_sqrt, double eps,
+                                   bool k1, bool flush) {
+  return {f32(decay), f32(inv_k), f32(b1),        f32(omb1), f32(b2), f32(omb2),
+          f32(step_size), f32(bc2_sqrt), f32(eps), k1,       flush};
+}
+dlion::accum::LionArgs lion_args(double lr, double wd, double inv_k, double b1, double omb1,
+                                 double b2, double omb2, bool k1, bool flush) {
+  return {f32(lr), f32(wd), f32(inv_k), f32(b1), f32(omb1), f32(b2), f32(omb2), k1, flush};
+}
+void def_accum(py::module_& m);
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
+  def_accum(m);
   m.doc() = "dlion_kernels native kernels (CPU, and CUDA when built with it). Use "
             "dlion_kernels.native, not this module.";
   using release = py::call_guard<py::gil_scoped_release>;
@@ -136,3 +158,56 @@ PYBIND11_MODULE(_C, m) {
       "cpu_apply on a device table, one launch of n_chunks CTAs on `stream`.");
 #endif
 }
+
+// --- AccumAdamW / AccumLion (decentralized training, SPEC §7) ---
+namespace {
+void def_accum(py::module_& m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def(
+      "cpu_accum_adamw",
+      [](int64_t table, int64_t n_tensors, int dt, double decay, double inv_k, double b1,
+         double omb1, double b2, double omb2, double step_size, double bc2_sqrt, double eps,
+         bool k1, bool flush, int threads) {
+        dlion::cpu_accum_adamw(
+            ptr<const int64_t>(table), n_tensors, dtype(dt),
+            adamw_args(decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, k1, flush),
+            threads);
+      },
+      release(),
+      "One AccumAdamW step (kernels/accum.py) over the tensors of a host accum table\n"
+      "(csrc/accum_common.h); dt: 0 fp32, 1 bf16, 2 fp16 (params and grads). Multi-threaded.");
+  m.def(
+      "cpu_accum_lion",
+      [](int64_t table, int64_t n_tensors, int dt, double lr, double wd, double inv_k, double b1,
+         double omb1, double b2, double omb2, bool k1, bool flush, int threads) {
+        dlion::cpu_accum_lion(ptr<const int64_t>(table), n_tensors, dtype(dt),
+                              lion_args(lr, wd, inv_k, b1, omb1, b2, omb2, k1, flush), threads);
+      },
+      release(), "One AccumLion step (kernels/accum.py) over the tensors of a host accum table.");
+#ifdef DLION_WITH_CUDA
+  m.def("cuda_accum_chunk_elems", &dlion::cuda_accum_chunk_elems,
+        "Elements per CTA of the accum kernels; the accum table's chunk row counts these.");
+  m.def(
+      "cuda_accum_adamw",
+      [](int64_t table, int64_t n_tensors, int64_t n_chunks, int dt, double decay, double inv_k,
+         double b1, double omb1, double b2, double omb2, double step_size, double bc2_sqrt,
+         double eps, bool k1, bool flush, int device, int64_t stream) {
+        dlion::cuda_accum_adamw(
+            table, n_tensors, n_chunks, dtype(dt),
+            adamw_args(decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps, k1, flush),
+            device, stream);
+      },
+      release(), "cpu_accum_adamw on a device accum table: one launch of n_chunks CTAs.");
+  m.def(
+      "cuda_accum_lion",
+      [](int64_t table, int64_t n_tensors, int64_t n_chunks, int dt, double lr, double wd,
+         double inv_k, double b1, double omb1, double b2, double omb2, bool k1, bool flush,
+         int device, int64_t stream) {
+        dlion::cuda_accum_lion(table, n_tensors, n_chunks, dtype(dt),
+                               lion_args(lr, wd, inv_k, b1, omb1, b2, omb2, k1, flush), device,
+                               stream);
+      },
+      release(), "cpu_accum_lion on a device accum table: one launch of n_chunks CTAs.");
+#endif
+}
+}  // namespace

@@ -4,20 +4,26 @@ Floors (each imports only from the floors below it):
 
 - ``kernels``   the fused stages on every backend (torch reference, C++ cpu, CUDA, Triton)
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
-- ``optim``     ``torch.optim`` front ends (``DistributedLion``)
+- ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
+- ``decentralized``  seed 2's gossip training (``DecentralizedDataParallel``, topologies)
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
 from .exchange.copying import DetachedGroup
 from .exchange.header import StepMismatchError
 from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
+from .decentralized.wrapper import DecentralizedDataParallel
 from .kernels.backends import BackendUnavailable, available_backends
+from .optim.accum import AccumAdamW, AccumLion
 from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
 
 __all__ = [
+    "AccumAdamW",
+    "AccumLion",
     "BackendUnavailable",
     "DetachedGroup",
+    "DecentralizedDataParallel",
     "DistributedLion",
     "NonFiniteGradientError",
     "StepMismatchError",

@@ -15,11 +15,19 @@ same split and the same initial weights:
 and prints test accuracy, bytes sent per rank per step and wall time. ``--hierarchy L`` adds
 hierarchical D-Lion (vote and average) over nodes of L consecutive workers: exact gradient mean
 inside a node, the nodes vote.
+Decentralized training (seed 2, SPEC §7) runs beside them with ``--strategy decentralized``:
+
+    python -m dlion_kernels.demo --strategy decentralized --topology ring --optimizer accum-adamw
+
+trains with ``DecentralizedDataParallel`` (gossip on the topology, a full iteration of overlap;
+the test accuracy is that of the parameters averaged over all ranks) and compares it with AdamW +
+all-reduce and D-Lion vote on the same split and initial weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -31,6 +39,8 @@ import torch.multiprocessing as mp
 import dlion_kernels as dk
 
 OPTIMIZERS = ("D-Lion vote", "D-Lion average", "Lion + all-reduce", "AdamW + all-reduce")
+STRATEGIES = ("all-reduce", "decentralized")
+DECENTRALIZED_OPTIMIZERS = ("accum-adamw", "accum-lion", "adamw")
 
 
 def parse_args(argv=None):
@@ -50,6 +60,17 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="FILE.png", help="draw the training-loss curves")
     ap.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
+    ap.add_argument("--strategy", choices=STRATEGIES, default="all-reduce",
+                    help="all-reduce: the four optimizers above (default); decentralized: "
+                    "DecentralizedDataParallel against AdamW + all-reduce and D-Lion vote")
+    ap.add_argument("--topology", default="ring",
+                    choices=("complete", "ring", "one-peer-exp", "alternating-exp-ring"),
+                    help="gossip topology of --strategy decentralized")
+    ap.add_argument("--optimizer", choices=DECENTRALIZED_OPTIMIZERS, default="accum-adamw",
+                    help="per-bucket optimizer of --strategy decentralized")
+    ap.add_argument("--accum-steps", type=int, default=None,
+                    help="K of AccumAdamW / AccumLion (default: the number of workers, as the "
+                    "paper scales it)")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.epochs < 1 or args.batch_size < 1:
         ap.error("--workers, --epochs and --batch-size must be >= 1")
@@ -59,10 +80,15 @@ def parse_args(argv=None):
 
 
 def optimizer_names(args) -> tuple:
-    """The rows of the comparison: OPTIMIZERS, then the hierarchical variants if asked for."""
+    """The rows of the comparison: OPTIMIZERS (with --strategy decentralized: AdamW + all-reduce,
+    D-Lion vote and the decentralized run), then the hierarchical variants if asked for."""
+    names = OPTIMIZERS
+    if args.strategy == "decentralized":
+        names = ("AdamW + all-reduce", "D-Lion vote",
+                 f"Decentralized {args.topology} {args.optimizer}")
     if args.hierarchy is None:
-        return OPTIMIZERS
-    return OPTIMIZERS + tuple(f"D-Lion {m}, hierarchy {args.hierarchy}"
+        return names
+    return names + tuple(f"D-Lion {m}, hierarchy {args.hierarchy}"
                               for m in ("vote", "average"))
 
 
@@ -103,12 +129,33 @@ def _allreduce_grads(model, n) -> int:
     return round(2 * (n - 1) / n * flat.numel() * flat.element_size())
 
 
+def _decentralized(args, model, n):
+    """DecentralizedDataParallel with the per-bucket optimizer of --optimizer."""
+    K = args.accum_steps or n
+    if args.optimizer == "accum-adamw":
+        def opt_fn(ps):
+            return dk.AccumAdamW(ps, lr=args.adamw_lr, weight_decay=args.weight_decay,
+                                 accum_steps=K, backend=args.backend)
+    elif args.optimizer == "accum-lion":
+        def opt_fn(ps):
+            return dk.AccumLion(ps, lr=args.lion_lr, weight_decay=args.weight_decay,
+                                accum_steps=K, backend=args.backend)
+    else:
+        def opt_fn(ps):
+            return torch.optim.AdamW(ps, lr=args.adamw_lr, weight_decay=args.weight_decay)
+    return dk.DecentralizedDataParallel(model, opt_fn, topology=args.topology, bucket_mb=0.25)
+
+
 def train_one(name, args, rank, n, device, solo_group, data):
     (x_train, y_train), (x_test, y_test) = data
     model = make_model(args.hidden, args.seed).to(device)
     params = list(model.parameters())
     common = dict(weight_decay=args.weight_decay, backend=args.backend)
-    if name.startswith("D-Lion"):
+    ddp = None
+    if name.startswith("Decentralized"):
+        ddp = _decentralized(args, model, n)
+        opt = None
+    elif name.startswith("D-Lion"):
         mode = "vote" if name.startswith("D-Lion vote") else "average"
         hierarchy = args.hierarchy if "hierarchy" in name else None
         opt = dk.DistributedLion(params, lr=args.lion_lr, mode=mode, hierarchy=hierarchy,
@@ -130,6 +177,15 @@ def train_one(name, args, rank, n, device, solo_group, data):
         for i in range(0, len(mine) - args.batch_size + 1, args.batch_size):
             idx = mine[i : i + args.batch_size]
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
+            if ddp is not None:  # backward mixes, steps and launches the gossip, per bucket
+                sent = ddp.bytes_sent
+                loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
+                loss.backward()
+                bytes_per_step = ddp.bytes_sent - sent
+                total[0] += loss.detach() * len(idx)
+                total[1] += len(idx)
+                steps += 1
+                continue
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
             loss.backward()
@@ -149,9 +205,21 @@ def train_one(name, args, rank, n, device, solo_group, data):
         if rank == 0 and not args.quiet:
             print(f"  [{name:18s}] epoch {epoch + 1:3d}/{args.epochs}  train loss "
                   f"{losses[-1]:.4f}", flush=True)
+    if ddp is not None:
+        ddp.synchronize()
     wall = time.perf_counter() - start
-    with torch.no_grad():
+    # Decentralized ranks hold different parameters: evaluate (and check) their average.
+    averaged = ddp.global_average() if ddp is not None else contextlib.nullcontext()
+    with averaged, torch.no_grad():
         acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
+        in_sync = _same_on_all_ranks(model, n)
+    return dict(optimizer=name, test_accuracy=acc, bytes_per_step=bytes_per_step,
+                steps=steps, wall_s=wall, losses=losses, ranks_in_sync=in_sync,
+                inter_node_bytes_per_step=inter_node_bytes,
+                numel=sum(p.numel() for p in params))
+
+
+def _same_on_all_ranks(model, n) -> bool:
     # All ranks must hold the same parameters: check it, cheaply, with one scalar.
     check = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
     if n > 1:
@@ -160,10 +228,7 @@ def train_one(name, args, rank, n, device, solo_group, data):
         in_sync = all(torch.equal(g, check) for g in gathered)
     else:
         in_sync = True
-    return dict(optimizer=name, test_accuracy=acc, bytes_per_step=bytes_per_step,
-                steps=steps, wall_s=wall, losses=losses, ranks_in_sync=in_sync,
-                inter_node_bytes_per_step=inter_node_bytes,
-                numel=sum(p.numel() for p in params))
+    return in_sync
 
 
 def run(rank, n, args, device):
@@ -180,7 +245,7 @@ def run(rank, n, args, device):
 
 
 def format_table(rows, n) -> str:
-    fp32 = next(r["bytes_per_step"] for r in rows if r["optimizer"].startswith("Lion"))
+    fp32 = next(r["bytes_per_step"] for r in rows if r["optimizer"].endswith("all-reduce"))
     lines = [
         f"| optimizer ({n} workers) | test accuracy | bytes sent / rank / step | vs fp32 "
         "all-reduce | wall time (s) |",

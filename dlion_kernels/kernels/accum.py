@@ -1,0 +1,242 @@
+"""AccumAdamW and AccumLion steps (SPEC §7): the fp32 reference and the backend dispatch.
+
+One call updates a whole list of tensors of one parameter dtype with ONE fused multi-tensor kernel
+on the ``cpu`` (C++, ``csrc/cpu/accum_kernels.cpp``), ``cuda`` (``csrc/cuda/accum_kernels.cu``)
+and ``triton`` (``accum_triton.py``) backends; the ``torch`` backend is the readable reference
+below, the oracle of the others.
+
+    adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
+          accum_steps, step)
+    lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step)
+
+``step`` is the step count t >= 1 of every tensor of the call (the optimizers group tensors by
+it). Params and grads share a dtype (fp32, bf16 or fp16); accs, exp_avgs, exp_avg_sqs are fp32.
+Every grad is a tensor (the optimizers skip parameters without one).
+
+Per element, in fp32, in this order (one IEEE rounding per operation, no fused multiply-add).
+The scalars are computed in double on the host and rounded to fp32 once (``scalars``).
+
+AccumAdamW (k = ceil(t / K), flush = t mod K == 0):
+    x  = x * decay                                   decay = 1 - lr * wd
+    a  = a + g * inv_k                               inv_k = 1 / K            (K > 1 only)
+    mt = m + omb1 * g ;  vt = v + omb2 * (g * g)
+    x  = x - step_size * (mt / (sqrt(vt) / bc2_sqrt + eps))
+                                                     step_size = lr / (1 - b1^k)
+                                                     bc2_sqrt = sqrt(1 - b2^k)
+    flush: s = a (K > 1) or g (K = 1) ; m = b1 * (m + omb1 * s) ; v = b2 * (v + omb2 * (s * s))
+           a = 0 (K > 1)
+
+AccumLion:
+    c = b1 * m + omb1 * g ;  x = x - lr * (sign(c) + wd * x)
+    a = a + g * inv_k                                (K > 1 only)
+    flush: s = a (K > 1) or g (K = 1) ; m = b2 * m + omb2 * s ; a = 0 (K > 1)
+
+With K = 1 the accumulator is never read or written (a = g / 1 = g exactly, and is reset at
+once), which saves 8 of 36 bytes per element of AccumAdamW; the result is identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends
+
+_F32 = torch.float32
+ADAMW_SCALARS = ("decay", "inv_k", "b1", "omb1", "b2", "omb2", "step_size", "bc2_sqrt", "eps")
+LION_SCALARS = ("lr", "wd", "inv_k", "b1", "omb1", "b2", "omb2")
+
+
+def adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step) -> dict:
+    """The per-call scalars of AccumAdamW, in double (each kernel rounds them to fp32 once)."""
+    k = -(-int(step) // int(accum_steps))
+    return {
+        "decay": 1.0 - lr * weight_decay,
+        "inv_k": 1.0 / accum_steps,
+        "b1": beta1,
+        "omb1": 1.0 - beta1,
+        "b2": beta2,
+        "omb2": 1.0 - beta2,
+        "step_size": lr / (1.0 - beta1**k),
+        "bc2_sqrt": math.sqrt(1.0 - beta2**k),
+        "eps": eps,
+    }
+
+
+def lion_scalars(lr, beta1, beta2, weight_decay, accum_steps) -> dict:
+    return {
+        "lr": lr,
+        "wd": weight_decay,
+        "inv_k": 1.0 / accum_steps,
+        "b1": beta1,
+        "omb1": 1.0 - beta1,
+        "b2": beta2,
+        "omb2": 1.0 - beta2,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the reference (the ``torch`` backend)
+# ------------------------------------------------------------------------------------------------
+
+
+def _f32s(values: dict, device) -> dict:
+    # Python floats rounded to fp32 once, as a kernel argument is.
+    return {k: torch.tensor(v, dtype=_F32, device=device) for k, v in values.items()}
+
+
+def adamw_reference(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
+                    weight_decay, accum_steps, step):
+    """AccumAdamW on each tensor, fp32, in the order of the module docstring."""
+    K = int(accum_steps)
+    flush = step % K == 0
+    for x, g, a, m, v in zip(params, grads, accs, exp_avgs, exp_avg_sqs):
+        s = _f32s(adamw_scalars(lr, beta1, beta2, eps, weight_decay, K, step), x.device)
+        xf = x.reshape(-1).to(_F32)
+        gf = g.reshape(-1).to(_F32)
+        af, mf, vf = a.view(-1), m.view(-1), v.view(-1)
+        xf = xf * s["decay"]
+        if K > 1:
+            af.copy_(af + gf * s["inv_k"])
+        mt = mf + s["omb1"] * gf
+        vt = vf + s["omb2"] * (gf * gf)
+        # torch's vectorised CPU sqrt is not correctly rounded; sqrt in fp64 rounded once to
+        # fp32 is (53 >= 2 * 24 + 2 bits), as sqrtps, CUDA's sqrtf and tl.sqrt_rn are.
+        root = torch.sqrt(vt.double()).to(_F32)
+        xf = xf - s["step_size"] * (mt / (root / s["bc2_sqrt"].expand_as(vt) + s["eps"]))
+        x.copy_(xf.view_as(x).to(x.dtype))
+        if flush:
+            src = af if K > 1 else gf
+            mf.copy_(s["b1"] * (mf + s["omb1"] * src))
+            vf.copy_(s["b2"] * (vf + s["omb2"] * (src * src)))
+            if K > 1:
+                af.zero_()
+
+
+def lion_reference(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay,
+                   accum_steps, step):
+    """AccumLion on each tensor, fp32, in the order of the module docstring."""
+    K = int(accum_steps)
+    flush = step % K == 0
+    for x, g, a, m in zip(params, grads, accs, exp_avgs):
+        s = _f32s(lion_scalars(lr, beta1, beta2, weight_decay, K), x.device)
+        xf = x.reshape(-1).to(_F32)
+        gf = g.reshape(-1).to(_F32)
+        af, mf = a.view(-1), m.view(-1)
+        c = s["b1"] * mf + s["omb1"] * gf
+        sign = (c > 0).to(_F32) - (c < 0).to(_F32)  # 0 for 0 and NaN, as the kernels do
+        xf = xf - s["lr"] * (sign + s["wd"] * xf)
+        x.copy_(xf.view_as(x).to(x.dtype))
+        if K > 1:
+            af.copy_(af + gf * s["inv_k"])
+        if flush:
+            src = af if K > 1 else gf
+            mf.copy_(s["b2"] * mf + s["omb2"] * src)
+            if K > 1:
+                af.zero_()
+
+
+# ------------------------------------------------------------------------------------------------
+# checks and dispatch
+# ------------------------------------------------------------------------------------------------
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_lists(params, grads, states: dict) -> None:
+    """What memory safety and the kernels need: equal lengths, one device, contiguous, one param
+    dtype shared by the grads, fp32 states of the params' sizes. Raises before anything runs."""
+    n = len(params)
+    for name, ts in (("grads", grads), *states.items()):
+        if len(ts) != n:
+            raise ValueError(f"{name} has {len(ts)} tensors, params has {n}")
+    if n == 0:
+        return
+    device, dtype = params[0].device, params[0].dtype
+    if dtype not in _PARAM_DTYPES:
+        raise TypeError(f"params must be float32, bfloat16 or float16, got {dtype}")
+    for i, (x, g) in enumerate(zip(params, grads)):
+        if x.dtype != dtype or g is None or g.dtype != dtype:
+            raise TypeError(
+                f"params[{i}] and grads[{i}] must both be {dtype} (one dtype per call), got "
+                f"{x.dtype} and {None if g is None else g.dtype}"
+            )
+        if g.is_sparse or x.is_sparse:
+            raise TypeError(f"params[{i}] / grads[{i}]: sparse tensors are not supported")
+        for name, t in (("params", x), ("grads", g)):
+            if t.device != device:
+                raise ValueError(f"{name}[{i}] is on {t.device}, params[0] on {device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be contiguous")
+        if g.numel() != x.numel():
+            raise ValueError(f"grads[{i}] has {g.numel()} elements, params[{i}] {x.numel()}")
+        for name, ts in states.items():
+            t = ts[i]
+            if t.dtype != _F32 or t.device != device or not t.is_contiguous():
+                raise TypeError(f"{name}[{i}] must be a contiguous float32 tensor on {device}")
+            if t.numel() != x.numel():
+                raise ValueError(f"{name}[{i}] has {t.numel()} elements, params[{i}] {x.numel()}")
+
+
+def _impl(backend: str):
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        from . import accum_triton
+
+        return accum_triton
+    from . import accum_native
+
+    return accum_native.backend(backend)
+
+
+def _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step, eps=None) -> None:
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {b}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if eps is not None and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if int(accum_steps) != accum_steps or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps}")
+    if int(step) != step or step < 1:
+        raise ValueError(f"step must be an integer >= 1, got {step}")
+
+
+def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
+          accum_steps, step, backend=None):
+    """One AccumAdamW step of every tensor (module docstring), in place, on ``backend`` (None:
+    ``$DLION_BACKEND`` or the best for the tensors' device)."""
+    _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step, eps)
+    check_lists(params, grads, {"accs": accs, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
+    if not params:
+        return
+    name = backends.resolve(backend, params[0].device)
+    impl = _impl(name)
+    kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+              "accum_steps": int(accum_steps), "step": int(step)}
+    if impl is None:
+        adamw_reference(params, grads, accs, exp_avgs, exp_avg_sqs, **kw)
+    else:
+        impl.adamw(params, grads, accs, exp_avgs, exp_avg_sqs, **kw)
+
+
+def lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step,
+         backend=None):
+    """One AccumLion step of every tensor (module docstring), in place."""
+    _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step)
+    check_lists(params, grads, {"accs": accs, "exp_avgs": exp_avgs})
+    if not params:
+        return
+    name = backends.resolve(backend, params[0].device)
+    impl = _impl(name)
+    kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
+              "accum_steps": int(accum_steps), "step": int(step)}
+    if impl is None:
+        lion_reference(params, grads, accs, exp_avgs, **kw)
+    else:
+        impl.lion(params, grads, accs, exp_avgs, **kw)

@@ -1,0 +1,139 @@
+"""The ``triton`` backend of AccumAdamW / AccumLion (semantics and order: ``accum.py``).
+
+One launch per call covers every tensor, through the tensor and program tables of
+``triton.py`` (``_tables``: per list a typed base pointer plus element offsets; one program per
+chunk of BLOCK elements of one tensor). fp32 arithmetic with one rounding per operation:
+no fused multiply-add, ``div_rn`` and ``sqrt_rn`` (Triton's ``/`` and ``sqrt`` on the GPU are
+approximate).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .accum import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
+from .triton import _INTERPRETED, _LAUNCH_OPTIONS, _chunk_block, _load_f32, _on, _round, _tables
+
+
+@triton.jit
+def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base,
+                  decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps,
+                  K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
+                  SOFT_BF16: tl.constexpr):
+    """One chunk of one tensor (accum.py):
+        x = x*decay ; a += g*inv_k ; mt = m + omb1*g ; vt = v + omb2*(g*g)
+        x = x - step_size * (mt / (sqrt(vt)/bc2_sqrt + eps))
+        flush: m = b1*(m + omb1*s) ; v = b2*(v + omb2*(s*s)) ; a = 0   (s = a, or g when K1)
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(prog_ptr + pid).to(tl.int64)
+    row = meta_ptr + t * 13  # x, g, a, m, v: (offset, present) each; numel, block, first
+    x_ptr = x_base + tl.load(row)
+    g_ptr = g_base + tl.load(row + 2)
+    a_ptr = a_base + tl.load(row + 4)
+    m_ptr = m_base + tl.load(row + 6)
+    v_ptr = v_base + tl.load(row + 8)
+    numel = tl.load(row + 10)
+    offs = (pid - tl.load(row + 12)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = _load_f32(x_ptr, offs, numel, True, SOFT_BF16)
+    g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    x = x * decay
+    src = g
+    if not K1:
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * inv_k
+        src = a
+        if FLUSH:
+            tl.store(a_ptr + offs, tl.zeros_like(a), mask=mask)
+        else:
+            tl.store(a_ptr + offs, a, mask=mask)
+    mt = m + omb1 * g
+    vt = v + omb2 * (g * g)
+    x = x - step_size * tl.div_rn(mt, tl.div_rn(tl.sqrt_rn(vt), bc2_sqrt) + eps)
+    tl.store(x_ptr + offs, _round(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    if FLUSH:
+        tl.store(m_ptr + offs, b1 * (m + omb1 * src), mask=mask)
+        tl.store(v_ptr + offs, b2 * (v + omb2 * (src * src)), mask=mask)
+
+
+@triton.jit
+def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base,
+                 lr, wd, inv_k, b1, omb1, b2, omb2,
+                 K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
+                 SOFT_BF16: tl.constexpr):
+    """One chunk of one tensor (accum.py):
+        c = b1*m + omb1*g ; x = x - lr*(sign(c) + wd*x) ; a += g*inv_k
+        flush: m = b2*m + omb2*s ; a = 0   (s = a, or g when K1)
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(prog_ptr + pid).to(tl.int64)
+    row = meta_ptr + t * 11  # x, g, a, m: (offset, present) each; numel, block, first
+    x_ptr = x_base + tl.load(row)
+    g_ptr = g_base + tl.load(row + 2)
+    a_ptr = a_base + tl.load(row + 4)
+    m_ptr = m_base + tl.load(row + 6)
+    numel = tl.load(row + 8)
+    offs = (pid - tl.load(row + 10)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = _load_f32(x_ptr, offs, numel, True, SOFT_BF16)
+    g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    c = b1 * m + omb1 * g
+    sign = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
+    x = x - lr * (sign + wd * x)
+    tl.store(x_ptr + offs, _round(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    src = g
+    if not K1:
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * inv_k
+        src = a
+        if FLUSH:
+            tl.store(a_ptr + offs, tl.zeros_like(a), mask=mask)
+        else:
+            tl.store(a_ptr + offs, a, mask=mask)
+    if FLUSH:
+        tl.store(m_ptr + offs, b2 * m + omb2 * src, mask=mask)
+
+
+def _launch(kind, kernel, lists, scalars, k1, flush):
+    params = lists[0]
+    device = params[0].device
+    numels = tuple(x.numel() for x in params)
+    block = _chunk_block(numels)
+    if not _INTERPRETED:
+        block = 1024
+    meta, prog, programs, _aligned, base_index = _tables(
+        kind, device, lists, numels, (0,) * len(numels), block
+    )
+    if programs == 0:
+        return
+    bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
+    # An absent list (K = 1 accumulators) is never touched: any typed fp32 pointer will do.
+    bases = [b if b.dtype == ref_dtype else lists[3][base_index[3]]
+             for b, ref_dtype in zip(bases, [params[0].dtype] * 2 + [torch.float32] * 3)]
+    with _on(device):
+        kernel[(programs,)](
+            meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, BLOCK=block,
+            SOFT_BF16=_INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
+            **_LAUNCH_OPTIONS,
+        )
+
+
+def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
+          accum_steps, step):
+    k1 = accum_steps == 1
+    s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step)
+    accs = [None] * len(params) if k1 else accs
+    _launch("accum_adamw", _adamw_kernel, (params, grads, accs, exp_avgs, exp_avg_sqs),
+            [s[k] for k in ADAMW_SCALARS], k1, step % accum_steps == 0)
+
+
+def lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step):
+    k1 = accum_steps == 1
+    s = lion_scalars(lr, beta1, beta2, weight_decay, accum_steps)
+    accs = [None] * len(params) if k1 else accs
+    _launch("accum_lion", _lion_kernel, (params, grads, accs, exp_avgs), [s[k] for k in LION_SCALARS], k1,
+            step % accum_steps == 0)
