@@ -9,10 +9,10 @@ Floors (each imports only from the floors below it):
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
+from .decentralized.wrapper import DecentralizedDataParallel
 from .exchange.copying import DetachedGroup
 from .exchange.header import StepMismatchError
 from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
-from .decentralized.wrapper import DecentralizedDataParallel
 from .kernels.backends import BackendUnavailable, available_backends
 from .optim.accum import AccumAdamW, AccumLion
 from .optim.ddp_hook import register_ddp_comm_hook
