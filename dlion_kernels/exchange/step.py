@@ -118,6 +118,19 @@ def _by_dtype(items):
     return list(groups.values())
 
 
+def _by_param_grad_dtype(rows):
+    """Group (param, grad-or-None, exp_avg, offset) rows into launches of one parameter dtype and
+    one gradient dtype (None gradients ride along with any launch of their parameter dtype)."""
+    by_param: dict = {}
+    for row in rows:
+        by_param.setdefault(row[0].dtype, []).append(row)
+    launches = []
+    for same_p in by_param.values():
+        for part in _by_dtype([(g, p, m, off) for p, g, m, off in same_p]):
+            launches.append([(p, g, m, off) for g, p, m, off in part])
+    return launches
+
+
 def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepStats:
     """The step for already-validated segments: one exchange for all of them."""
     tensors = [t for s in segments for t in s.params]
@@ -171,7 +184,7 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
     for s, rows in work:
         for part in _by_dtype([(g, m, off) for _, g, m, off in rows]):
             g, m, off = zip(*part)
-            kernels.local_step(list(g), list(m), votes_buf, list(off), s.beta1, s.beta2, ternary)
+            kernels.local_step(list(g), list(m), votes_buf, list(off), s.beta1, ternary)
 
     aggregate = torch.empty(n * shard * p_out, dtype=torch.int32, device=device)
     if n == 1:
@@ -186,9 +199,10 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         sent = flag_bytes + (n - 1) * shard * (p_in + p_out) * _WORD_BYTES
 
     for s, rows in work:
-        for part in _by_dtype([(p, off) for p, _, _, off in rows]):
-            p, off = zip(*part)
-            kernels.apply(list(p), aggregate, list(off), s.lr, s.weight_decay, n, mode, ternary)
+        for part in _by_param_grad_dtype(rows):
+            p, g, m, off = zip(*part)
+            kernels.apply(list(p), list(g), list(m), aggregate, list(off), s.lr, s.weight_decay,
+                          s.beta2, n, mode, ternary)
 
     for original, copy in write_back:
         original.copy_(copy)
