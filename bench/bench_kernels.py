@@ -27,15 +27,15 @@ Bytes each variant must move, per element (xs, gs = bytes of the parameter / gra
 
 | variant            | bytes / element                          | fp32    | bf16 x, g |
 |--------------------|------------------------------------------|---------|-----------|
-| local_step         | g gs + m 4 read + m 4 write + votes 1/8  | 12.125  | 10.125    |
+| local_step         | g gs + m 4 read + votes 1/8              | 8.125   | 6.125     |
 | tally vote n=8     | n P_in/8 + P_out/8 = 8/8 + 1/8           | 1.125   | 1.125     |
 | tally avg n=8      | n P_in/8 + P_out/8 = 8/8 + 4/8           | 1.5     | 1.5       |
-| apply vote         | x xs read + x xs write + aggregate 1/8   | 8.125   | 4.125     |
-| apply avg/bin n=8  | 2 xs + P/8, P = 4                        | 8.5     | 4.5       |
-| apply avg/ter n=8  | 2 xs + P/8, P = 5                        | 8.625   | 4.625     |
-| step (vote/binary) | local_step + tally(1, 1, 1) + apply(1)   | 20.5    | 14.5      |
+| apply vote         | x 2 xs + g gs + m 8 + aggregate 1/8      | 20.125  | 14.125    |
+| apply avg/bin n=8  | 2 xs + gs + 8 + P/8, P = 4               | 20.5    | 14.5      |
+| apply avg/ter n=8  | 2 xs + gs + 8 + P/8, P = 5               | 20.625  | 14.625    |
+| step (vote/binary) | local_step + tally(1, 1, 1) + apply(1)   | 28.5    | 20.5      |
 | Lion peers         | x 2 xs + g gs + m 8 (one fused pass)     | 20      | 14        |
-| unfused sign-pack  | counted as ``step`` (same algorithm)     | 20.5    | 14.5      |
+| unfused sign-pack  | counted as ``step`` (same algorithm)     | 28.5    | 20.5      |
 
 The peers are charged only the bytes of one fused pass, so their GB/s is *effective* bandwidth:
 the unfused variants really move several times more. GB/s = bytes / time. ``of copy`` is the
@@ -132,7 +132,8 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 def bytes_per_elt(op: str, dtype: torch.dtype) -> float:
     """Bytes per element the variant must move (see the module docstring)."""
     xs = gs = dtype_bytes(dtype)
-    local = gs + 4 + 4 + 1 / 8
+    local = gs + 4 + 1 / 8  # kernel stages v2: m is read here and written by apply
+    update = 2 * xs + gs + 8  # apply: x read + written, g read, m read + written
     if op == "local_step":
         return local
     if op == "tally vote n=8":
@@ -140,13 +141,13 @@ def bytes_per_elt(op: str, dtype: torch.dtype) -> float:
     if op == "tally avg n=8":
         return N_TALLY / 8 + aggregate_planes("average", "binary", N_TALLY) / 8
     if op == "apply vote":
-        return 2 * xs + 1 / 8
+        return update + 1 / 8
     if op == "apply avg/bin n=8":
-        return 2 * xs + aggregate_planes("average", "binary", N_TALLY) / 8
+        return update + aggregate_planes("average", "binary", N_TALLY) / 8
     if op == "apply avg/ter n=8":
-        return 2 * xs + aggregate_planes("average", "ternary", N_TALLY) / 8
+        return update + aggregate_planes("average", "ternary", N_TALLY) / 8
     if op in ("step", PEER_UNFUSED):
-        return local + (1 / 8 + 1 / 8) + (2 * xs + 1 / 8)
+        return local + (1 / 8 + 1 / 8) + (update + 1 / 8)
     if op in (PEER_LION, PEER_FOREACH):
         return 2 * xs + gs + 8
     raise ValueError(op)
@@ -330,7 +331,7 @@ def stage_fns(be, w: Workload) -> dict:
     step_counter = [0]
 
     def local_step():
-        be.local_step(w.grads, w.exp_avgs, w.votes, w.offsets, b1, b2, False)
+        be.local_step(w.grads, w.exp_avgs, w.votes, w.offsets, b1, False)
 
     def tally_vote():
         be.tally(w.stacked, w.tally_out_vote, N_TALLY, "vote", False, 0)
@@ -339,19 +340,21 @@ def stage_fns(be, w: Workload) -> dict:
         be.tally(w.stacked, w.tally_out_avg, N_TALLY, "average", False, 0)
 
     def apply_vote():
-        be.apply(w.params, w.votes, w.offsets, LR, WD, 1, "vote", False)
+        be.apply(w.params, w.grads, w.exp_avgs, w.votes, w.offsets, LR, WD, b2, 1, "vote", False)
 
     def apply_avg_bin():
-        be.apply(w.params, w.agg_avg_bin, w.offsets, LR, WD, N_TALLY, "average", False)
+        be.apply(w.params, w.grads, w.exp_avgs, w.agg_avg_bin, w.offsets, LR, WD, b2, N_TALLY,
+                 "average", False)
 
     def apply_avg_ter():
-        be.apply(w.params, w.agg_avg_ter, w.offsets, LR, WD, N_TALLY, "average", True)
+        be.apply(w.params, w.grads, w.exp_avgs, w.agg_avg_ter, w.offsets, LR, WD, b2, N_TALLY,
+                 "average", True)
 
     def step():
         step_counter[0] += 1
-        be.local_step(w.grads, w.exp_avgs, w.votes, w.offsets, b1, b2, False)
+        be.local_step(w.grads, w.exp_avgs, w.votes, w.offsets, b1, False)
         be.tally(w.votes.view(1, -1), w.agg1, 1, "vote", False, step_counter[0])
-        be.apply(w.params, w.agg1, w.offsets, LR, WD, 1, "vote", False)
+        be.apply(w.params, w.grads, w.exp_avgs, w.agg1, w.offsets, LR, WD, b2, 1, "vote", False)
 
     return {"local_step": local_step, "tally vote n=8": tally_vote, "tally avg n=8": tally_avg,
             "apply vote": apply_vote, "apply avg/bin n=8": apply_avg_bin,

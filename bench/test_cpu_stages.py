@@ -14,7 +14,7 @@ bandwidth to compare the stages' GB/s with.
 
 with the call signatures and tensors of bench_kernels.py (``Workload``, ``stage_fns``). Each
 result's ``extra_info`` holds the bytes per element the variant must move (bench_kernels'
-``bytes_per_elt``: 12.125, 1.125, 8.125 and 20.5 for fp32; the step is charged like bench_kernels'
+``bytes_per_elt``: 8.125, 1.125, 20.125 and 28.5 for fp32 (kernel stages v2); the step is charged like bench_kernels'
 ``step``, its non-finite check of the gradient is not counted), the bytes, and the GB/s of the
 median. A backend that cannot run here is skipped with the reason. The torch reference is timed
 in 3 rounds of 1 call (1.5-4 s per call at 64M).

@@ -70,17 +70,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_local_step",
       [](int64_t table, int64_t n_tensors, int g_dtype, int64_t votes, double b1, double omb1,
-         double b2, double omb2, bool ternary, int threads) {
+         bool ternary, int threads) {
         dlion::cpu_local_step(ptr<const int64_t>(table), n_tensors, dtype(g_dtype),
-                              ptr<uint32_t>(votes), f32(b1), f32(omb1), f32(b2), f32(omb2),
-                              ternary, threads);
+                              ptr<uint32_t>(votes), f32(b1), f32(omb1), ternary, threads);
       },
       release(), py::arg("table"), py::arg("n_tensors"), py::arg("g_dtype"), py::arg("votes"),
-      py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("ternary"),
-      py::arg("threads"),
-      "local_step over the tensors of a host table (csrc/common.h): c = b1*m + omb1*g and\n"
-      "m = b2*m + omb2*g in fp32, packed vote(c) written at each tensor's block offset in the\n"
-      "int32 buffer `votes`. g_dtype: 0 fp32, 1 bf16, 2 fp16; a null gradient counts as zeros.");
+      py::arg("b1"), py::arg("omb1"), py::arg("ternary"), py::arg("threads"),
+      "local_step over the tensors of a host table (csrc/common.h; a = gradient, b = fp32\n"
+      "momentum): c = b1*m + omb1*g in fp32, packed vote(c) written at each tensor's block\n"
+      "offset in the int32 buffer `votes`; m is read only. g_dtype: 0 fp32, 1 bf16, 2 fp16; a\n"
+      "null gradient counts as zeros.");
   m.def(
       "cpu_tally",
       [](int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, int64_t out, bool average,
@@ -94,17 +93,20 @@ PYBIND11_MODULE(_C, m) {
       "into the packed aggregate `out` (layout.py); tie = layout.tie_pattern(step) & 0xFFFFFFFF.");
   m.def(
       "cpu_apply",
-      [](int64_t table, int64_t n_tensors, int p_dtype, int64_t aggregate, double lr, double wd,
-         int64_t n, bool average, bool ternary, int threads) {
-        dlion::cpu_apply(ptr<const int64_t>(table), n_tensors, dtype(p_dtype),
-                         ptr<const uint32_t>(aggregate), f32(lr), f32(wd), n, average, ternary,
-                         threads);
+      [](int64_t table, int64_t n_tensors, int p_dtype, int g_dtype, int64_t aggregate,
+         double lr, double wd, double b2, double omb2, int64_t n, bool average, bool ternary,
+         int threads) {
+        dlion::cpu_apply(ptr<const int64_t>(table), n_tensors, dtype(p_dtype), dtype(g_dtype),
+                         ptr<const uint32_t>(aggregate), f32(lr), f32(wd), f32(b2), f32(omb2), n,
+                         average, ternary, threads);
       },
-      release(), py::arg("table"), py::arg("n_tensors"), py::arg("p_dtype"), py::arg("aggregate"),
-      py::arg("lr"), py::arg("wd"), py::arg("n"), py::arg("average"), py::arg("ternary"),
-      py::arg("threads"),
-      "apply over the parameters of a host table: x = x - lr * (D + wd * x) in fp32 with D\n"
-      "decoded from the packed aggregate, stored back in p_dtype (0 fp32, 1 bf16, 2 fp16; RNE).");
+      release(), py::arg("table"), py::arg("n_tensors"), py::arg("p_dtype"), py::arg("g_dtype"),
+      py::arg("aggregate"), py::arg("lr"), py::arg("wd"), py::arg("b2"), py::arg("omb2"),
+      py::arg("n"), py::arg("average"), py::arg("ternary"), py::arg("threads"),
+      "apply over a host table (a = parameter, b = fp32 momentum, c = gradient or 0):\n"
+      "x = x - lr * (D + wd * x) in fp32 with D decoded from the packed aggregate, stored back\n"
+      "in p_dtype (0 fp32, 1 bf16, 2 fp16; RNE), and m = b2*m + omb2*g in fp32. g_dtype is\n"
+      "p_dtype or 0 (fp32); a null gradient counts as zeros.");
 
   m.def("cpu_isa", &dlion::cpu_isa,
         "The variant of the CPU kernels in use: 'avx2+f16c' or 'baseline' (DLION_CPU_NO_AVX2=1).");
@@ -126,13 +128,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cuda_local_step",
       [](int64_t table, int64_t n_tensors, int64_t n_chunks, int g_dtype, int64_t votes, double b1,
-         double omb1, double b2, double omb2, bool ternary, int device, int64_t stream) {
+         double omb1, bool ternary, int device, int64_t stream) {
         dlion::cuda_local_step(table, n_tensors, n_chunks, dtype(g_dtype), votes, f32(b1),
-                               f32(omb1), f32(b2), f32(omb2), ternary, device, stream);
+                               f32(omb1), ternary, device, stream);
       },
       release(), py::arg("table"), py::arg("n_tensors"), py::arg("n_chunks"), py::arg("g_dtype"),
-      py::arg("votes"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"),
-      py::arg("ternary"), py::arg("device"), py::arg("stream"),
+      py::arg("votes"), py::arg("b1"), py::arg("omb1"), py::arg("ternary"), py::arg("device"),
+      py::arg("stream"),
       "cpu_local_step on a device table, one launch of n_chunks CTAs on `stream` (a\n"
       "cudaStream_t as int) of CUDA device `device`. Asynchronous; launch errors raise.");
   m.def(
@@ -147,15 +149,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stream"), "cpu_tally on device buffers, one launch on `stream`.");
   m.def(
       "cuda_apply",
-      [](int64_t table, int64_t n_tensors, int64_t n_chunks, int p_dtype, int64_t aggregate,
-         double lr, double wd, int64_t n, bool average, bool ternary, int device, int64_t stream) {
-        dlion::cuda_apply(table, n_tensors, n_chunks, dtype(p_dtype), aggregate, f32(lr), f32(wd),
-                          n, average, ternary, device, stream);
+      [](int64_t table, int64_t n_tensors, int64_t n_chunks, int p_dtype, int g_dtype,
+         int64_t aggregate, double lr, double wd, double b2, double omb2, int64_t n, bool average,
+         bool ternary, int64_t skip, int device, int64_t stream) {
+        dlion::cuda_apply(table, n_tensors, n_chunks, dtype(p_dtype), dtype(g_dtype), aggregate,
+                          f32(lr), f32(wd), f32(b2), f32(omb2), n, average, ternary, skip, device,
+                          stream);
       },
       release(), py::arg("table"), py::arg("n_tensors"), py::arg("n_chunks"), py::arg("p_dtype"),
-      py::arg("aggregate"), py::arg("lr"), py::arg("wd"), py::arg("n"), py::arg("average"),
-      py::arg("ternary"), py::arg("device"), py::arg("stream"),
-      "cpu_apply on a device table, one launch of n_chunks CTAs on `stream`.");
+      py::arg("g_dtype"), py::arg("aggregate"), py::arg("lr"), py::arg("wd"), py::arg("b2"),
+      py::arg("omb2"), py::arg("n"), py::arg("average"), py::arg("ternary"), py::arg("skip"),
+      py::arg("device"), py::arg("stream"),
+      "cpu_apply on a device table, one launch of n_chunks CTAs on `stream`. `skip`: address\n"
+      "of an int32 flag on the device (0: none); every CTA returns at once when it is non-zero.");
 #endif
 }
 

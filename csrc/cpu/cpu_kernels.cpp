@@ -167,32 +167,27 @@ DLION_ALWAYS_INLINE void prefetch_ahead(const T* block) {
 
 // ----------------------------------------------------------------------------- local_step
 
+// c = b1*m + omb1*g and its packed vote; m is only read (apply writes it).
 template <typename G, bool HAS_G, bool TERNARY, bool HW>
-DLION_ALWAYS_INLINE void local_step_body(const G* g, float* m, int64_t numel, uint32_t* words,
-                                         int64_t b_begin, int64_t b_end, float b1, float omb1,
-                                         float b2, float omb2) {
+DLION_ALWAYS_INLINE void local_step_body(const G* g, const float* m, int64_t numel,
+                                         uint32_t* words, int64_t b_begin, int64_t b_end,
+                                         float b1, float omb1) {
   alignas(32) float c[kBlock];
   alignas(32) float gv[kBlock];
   for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t i0 = b * kBlock;
     const G* gb = HAS_G ? g + i0 : nullptr;
-    float* mb = m + i0;
+    const float* mb = m + i0;
     if (numel - i0 >= kBlock) {
       if (HAS_G) prefetch_ahead<0>(gb);
-      prefetch_ahead<1>(mb);
+      prefetch_ahead<0>(mb);
       if constexpr (HAS_G && kBlockConvert<HW, G>) {
         load_block<HW>(gb, gv);
-        for (int j = 0; j < kBlock; ++j) {
-          const float mv = mb[j];
-          c[j] = b1 * mv + omb1 * gv[j];
-          mb[j] = b2 * mv + omb2 * gv[j];
-        }
+        for (int j = 0; j < kBlock; ++j) c[j] = b1 * mb[j] + omb1 * gv[j];
       } else {  // one fused loop: fewer instructions where conversions vectorize anyway
         for (int j = 0; j < kBlock; ++j) {
           const float gj = HAS_G ? to_f32(gb[j]) : 0.0f;
-          const float mv = mb[j];
-          c[j] = b1 * mv + omb1 * gj;
-          mb[j] = b2 * mv + omb2 * gj;
+          c[j] = b1 * mb[j] + omb1 * gj;
         }
       }
     } else {  // the tensor's last, partial block: the bits past its end are 0
@@ -200,9 +195,7 @@ DLION_ALWAYS_INLINE void local_step_body(const G* g, float* m, int64_t numel, ui
       for (int j = 0; j < kBlock; ++j) c[j] = 0.0f;
       for (int j = 0; j < count; ++j) {
         const float gj = HAS_G ? to_f32(gb[j]) : 0.0f;
-        const float mv = mb[j];
-        c[j] = b1 * mv + omb1 * gj;
-        mb[j] = b2 * mv + omb2 * gj;
+        c[j] = b1 * mb[j] + omb1 * gj;
       }
     }
     uint32_t pos, neg;
@@ -217,18 +210,15 @@ DLION_ALWAYS_INLINE void local_step_body(const G* g, float* m, int64_t numel, ui
 }
 
 template <typename G, bool HAS_G, bool TERNARY>
-void local_step_base(const G* g, float* m, int64_t numel, uint32_t* words, int64_t b_begin,
-                     int64_t b_end, float b1, float omb1, float b2, float omb2) {
-  local_step_body<G, HAS_G, TERNARY, false>(g, m, numel, words, b_begin, b_end, b1, omb1, b2,
-                                            omb2);
+void local_step_base(const G* g, const float* m, int64_t numel, uint32_t* words, int64_t b_begin,
+                     int64_t b_end, float b1, float omb1) {
+  local_step_body<G, HAS_G, TERNARY, false>(g, m, numel, words, b_begin, b_end, b1, omb1);
 }
 #ifdef DLION_HAVE_AVX2_CLONE
 template <typename G, bool HAS_G, bool TERNARY>
-DLION_AVX2 void local_step_avx2(const G* g, float* m, int64_t numel, uint32_t* words,
-                                int64_t b_begin, int64_t b_end, float b1, float omb1, float b2,
-                                float omb2) {
-  local_step_body<G, HAS_G, TERNARY, true>(g, m, numel, words, b_begin, b_end, b1, omb1, b2,
-                                           omb2);
+DLION_AVX2 void local_step_avx2(const G* g, const float* m, int64_t numel, uint32_t* words,
+                                int64_t b_begin, int64_t b_end, float b1, float omb1) {
+  local_step_body<G, HAS_G, TERNARY, true>(g, m, numel, words, b_begin, b_end, b1, omb1);
 }
 #endif
 
@@ -246,7 +236,7 @@ Fn pick(Fn base, Fn avx2) {
 
 template <typename G, bool TERNARY>
 void local_step_typed(const int64_t* table, int64_t n_tensors, uint32_t* votes, float b1,
-                      float omb1, float b2, float omb2, int threads) {
+                      float omb1, int threads) {
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
   constexpr int planes = TERNARY ? 2 : 1;
@@ -257,21 +247,21 @@ void local_step_typed(const int64_t* table, int64_t n_tensors, uint32_t* votes, 
                  const Task& task = tasks[i];
                  const int64_t t = task.tensor, T = n_tensors;
                  const G* g = reinterpret_cast<const G*>(table[kRowA * T + t]);
-                 float* m = reinterpret_cast<float*>(table[kRowB * T + t]);
+                 const float* m = reinterpret_cast<const float*>(table[kRowB * T + t]);
                  const int64_t numel = table[kRowNumel * T + t];
                  uint32_t* words = votes + planes * table[kRowBlock * T + t];
                  (g != nullptr ? with_g : without_g)(g, m, numel, words, task.begin, task.end, b1,
-                                                     omb1, b2, omb2);
+                                                     omb1);
                });
 }
 
 template <typename G>
 void local_step_dtype(const int64_t* table, int64_t n_tensors, uint32_t* votes, float b1,
-                      float omb1, float b2, float omb2, bool ternary, int threads) {
+                      float omb1, bool ternary, int threads) {
   if (ternary) {
-    local_step_typed<G, true>(table, n_tensors, votes, b1, omb1, b2, omb2, threads);
+    local_step_typed<G, true>(table, n_tensors, votes, b1, omb1, threads);
   } else {
-    local_step_typed<G, false>(table, n_tensors, votes, b1, omb1, b2, omb2, threads);
+    local_step_typed<G, false>(table, n_tensors, votes, b1, omb1, threads);
   }
 }
 
@@ -441,16 +431,24 @@ void tally_planes(int planes, const uint32_t* stacked, int64_t row_words, int64_
 
 enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAverageTernary = 3 };
 
-// Apply on the blocks [b_begin, b_end) of one tensor. Average mode: q (the count, plane p = bit p)
-// is rebuilt from the top plane down with fixed-length 32-lane integer loops, and
-// D = float(a*q - n) / float(n) by a vectorized IEEE division (exactly reference.py's
+// The arguments of apply that every block loop needs.
+struct ApplyArgs {
+  float lr, wd, b2, omb2, nf;
+  int n, planes;
+};
+
+// Apply on the blocks [b_begin, b_end) of one tensor: x from the aggregate, then m from g (m and
+// g are independent of x, so both streams share one pass over the blocks). Average mode: q (the
+// count, plane p = bit p) is rebuilt from the top plane down with fixed-length 32-lane integer
+// loops, and D = float(a*q - n) / float(n) by a vectorized IEEE division (exactly reference.py's
 // `num.to(f32) / f32(n)`). PL > 0 is the number of planes known at compile time (fully unrolled,
-// q stays in registers); PL == 0 reads it from `planes`.
-template <typename P, int KIND, int PL, bool HW>
-DLION_ALWAYS_INLINE void apply_body(P* x, int64_t numel, const uint32_t* words, int planes_rt,
-                                    int64_t b_begin, int64_t b_end, float lr, float wd, int n,
-                                    float nf) {
-  const int planes = PL > 0 ? PL : planes_rt;
+// q stays in registers); PL == 0 reads it from `a.planes`. g == nullptr: a None gradient (zeros).
+template <typename P, typename G, int KIND, int PL, bool HW>
+DLION_ALWAYS_INLINE void apply_body(P* x, const G* g, float* m, int64_t numel,
+                                    const uint32_t* words, int64_t b_begin, int64_t b_end,
+                                    const ApplyArgs& a) {
+  const int planes = PL > 0 ? PL : a.planes;
+  const float lr = a.lr, wd = a.wd, b2 = a.b2, omb2 = a.omb2;
   alignas(32) float d[kBlock];
   alignas(32) float xv[kBlock];
   for (int64_t b = b_begin; b < b_end; ++b) {
@@ -470,15 +468,18 @@ DLION_ALWAYS_INLINE void apply_body(P* x, int64_t numel, const uint32_t* words, 
         for (int j = 0; j < kBlock; ++j) q[j] = q[j] + q[j] + ((w & kBit.v[j]) ? 1 : 0);
       }
       for (int j = 0; j < kBlock; ++j) {
-        const int32_t num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
-        d[j] = static_cast<float>(num) / nf;
+        const int32_t num = KIND == kAverageBinary ? 2 * q[j] - a.n : q[j] - a.n;
+        d[j] = static_cast<float>(num) / a.nf;
       }
     }
     const int64_t i0 = b * kBlock;
     P* xb = x + i0;
+    float* mb = m + i0;
+    const G* gb = g != nullptr ? g + i0 : nullptr;
     const int count = static_cast<int>(std::min<int64_t>(kBlock, numel - i0));
     if (count == kBlock) {
       prefetch_ahead<1>(xb);
+      prefetch_ahead<1>(mb);
       if constexpr (kBlockConvert<HW, P>) {
         load_block<HW>(xb, xv);
         for (int j = 0; j < kBlock; ++j) xv[j] = xv[j] - lr * (d[j] + wd * xv[j]);
@@ -489,55 +490,68 @@ DLION_ALWAYS_INLINE void apply_body(P* x, int64_t numel, const uint32_t* words, 
           xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
         }
       }
+      if (gb != nullptr) {
+        prefetch_ahead<0>(gb);
+        if constexpr (kBlockConvert<HW, G>) {
+          load_block<HW>(gb, xv);  // xv is free again: the gradient as fp32
+          for (int j = 0; j < kBlock; ++j) mb[j] = b2 * mb[j] + omb2 * xv[j];
+        } else {
+          for (int j = 0; j < kBlock; ++j) mb[j] = b2 * mb[j] + omb2 * to_f32(gb[j]);
+        }
+      } else {
+        for (int j = 0; j < kBlock; ++j) mb[j] = b2 * mb[j] + omb2 * 0.0f;
+      }
     } else {
       for (int j = 0; j < count; ++j) {
         const float xf = to_f32(xb[j]);
         xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+        const float gj = gb != nullptr ? to_f32(gb[j]) : 0.0f;
+        mb[j] = b2 * mb[j] + omb2 * gj;
       }
     }
   }
 }
 
-template <typename P, int KIND, int PL>
-void apply_base(P* x, int64_t numel, const uint32_t* words, int planes, int64_t b_begin,
-                int64_t b_end, float lr, float wd, int n, float nf) {
-  apply_body<P, KIND, PL, false>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
+template <typename P, typename G, int KIND, int PL>
+void apply_base(P* x, const G* g, float* m, int64_t numel, const uint32_t* words, int64_t b_begin,
+                int64_t b_end, const ApplyArgs& a) {
+  apply_body<P, G, KIND, PL, false>(x, g, m, numel, words, b_begin, b_end, a);
 }
 #ifdef DLION_HAVE_AVX2_CLONE
-template <typename P, int KIND, int PL>
-DLION_AVX2 void apply_avx2(P* x, int64_t numel, const uint32_t* words, int planes,
-                           int64_t b_begin, int64_t b_end, float lr, float wd, int n, float nf) {
-  apply_body<P, KIND, PL, true>(x, numel, words, planes, b_begin, b_end, lr, wd, n, nf);
+template <typename P, typename G, int KIND, int PL>
+DLION_AVX2 void apply_avx2(P* x, const G* g, float* m, int64_t numel, const uint32_t* words,
+                           int64_t b_begin, int64_t b_end, const ApplyArgs& a) {
+  apply_body<P, G, KIND, PL, true>(x, g, m, numel, words, b_begin, b_end, a);
 }
 #endif
 
-template <typename P, int KIND, int PL>
-void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
-                 float lr, float wd, int64_t n, int threads) {
-  const auto blocks = DLION_PICK(apply, P, KIND, PL);
+template <typename P, typename G, int KIND, int PL>
+void apply_typed(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate,
+                 const ApplyArgs& a, int threads) {
+  const auto blocks = DLION_PICK(apply, P, G, KIND, PL);
   int64_t total_blocks = 0;
   const std::vector<Task> tasks = make_tasks(table, n_tensors, &total_blocks);
-  const float nf = static_cast<float>(n);
   parallel_for(static_cast<int64_t>(tasks.size()), threads_for(total_blocks, threads),
                [&](int64_t i) {
                  const Task& task = tasks[i];
                  const int64_t t = task.tensor, T = n_tensors;
                  P* x = reinterpret_cast<P*>(table[kRowA * T + t]);
+                 float* m = reinterpret_cast<float*>(table[kRowB * T + t]);
+                 const G* g = reinterpret_cast<const G*>(table[kRowC * T + t]);
                  const int64_t numel = table[kRowNumel * T + t];
-                 const uint32_t* words = aggregate + planes * table[kRowBlock * T + t];
-                 blocks(x, numel, words, planes, task.begin, task.end, lr, wd,
-                        static_cast<int>(n), nf);
+                 const uint32_t* words = aggregate + a.planes * table[kRowBlock * T + t];
+                 blocks(x, g, m, numel, words, task.begin, task.end, a);
                });
 }
 
-template <typename P, int KIND>
-void apply_average(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, int planes,
-                   float lr, float wd, int64_t n, int threads) {
+template <typename P, typename G, int KIND>
+void apply_average(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate,
+                   const ApplyArgs& a, int threads) {
 #define DLION_APPLY_CASE(PL) \
   case PL:                   \
-    return apply_typed<P, KIND, PL>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+    return apply_typed<P, G, KIND, PL>(table, n_tensors, aggregate, a, threads);
   static_assert(kMaxStaticPlanes == 8, "update the cases below");
-  switch (planes) {
+  switch (a.planes) {
     DLION_APPLY_CASE(1)
     DLION_APPLY_CASE(2)
     DLION_APPLY_CASE(3)
@@ -547,24 +561,35 @@ void apply_average(const int64_t* table, int64_t n_tensors, const uint32_t* aggr
     DLION_APPLY_CASE(7)
     DLION_APPLY_CASE(8)
     default:
-      return apply_typed<P, KIND, 0>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+      return apply_typed<P, G, KIND, 0>(table, n_tensors, aggregate, a, threads);
   }
 #undef DLION_APPLY_CASE
 }
 
-template <typename P>
-void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate, float lr,
-                 float wd, int64_t n, bool average, bool ternary, int threads) {
+template <typename P, typename G>
+void apply_dtype(const int64_t* table, int64_t n_tensors, const uint32_t* aggregate,
+                 ApplyArgs a, bool average, bool ternary, int threads) {
   if (!average) {
-    if (ternary)
-      return apply_typed<P, kVoteTernary, 2>(table, n_tensors, aggregate, 2, lr, wd, n, threads);
-    return apply_typed<P, kVoteBinary, 1>(table, n_tensors, aggregate, 1, lr, wd, n, threads);
+    a.planes = ternary ? 2 : 1;
+    if (ternary) return apply_typed<P, G, kVoteTernary, 2>(table, n_tensors, aggregate, a, threads);
+    return apply_typed<P, G, kVoteBinary, 1>(table, n_tensors, aggregate, a, threads);
   }
-  const int planes = bit_length(ternary ? 2 * n : n);
-  if (ternary)
-    return apply_average<P, kAverageTernary>(table, n_tensors, aggregate, planes, lr, wd, n,
-                                             threads);
-  return apply_average<P, kAverageBinary>(table, n_tensors, aggregate, planes, lr, wd, n, threads);
+  a.planes = bit_length(ternary ? 2 * int64_t{a.n} : int64_t{a.n});
+  if (ternary) return apply_average<P, G, kAverageTernary>(table, n_tensors, aggregate, a, threads);
+  return apply_average<P, G, kAverageBinary>(table, n_tensors, aggregate, a, threads);
+}
+
+// Gradients of the parameters' dtype or fp32 (e.g. fp32 node means with bf16 parameters).
+template <typename P>
+void apply_grad_dtype(const int64_t* table, int64_t n_tensors, DType p_dtype, DType g_dtype,
+                      const uint32_t* aggregate, const ApplyArgs& a, bool average, bool ternary,
+                      int threads) {
+  if (g_dtype == p_dtype)
+    return apply_dtype<P, P>(table, n_tensors, aggregate, a, average, ternary, threads);
+  if (g_dtype == DType::kFloat32)
+    return apply_dtype<P, float>(table, n_tensors, aggregate, a, average, ternary, threads);
+  throw std::invalid_argument("dlion_kernels: apply: gradients must have the parameters' dtype "
+                              "or float32");
 }
 
 // ----------------------------------------------------------------------------- nonfinite
@@ -634,14 +659,14 @@ void check_n(int64_t n) {
 }  // namespace
 
 void cpu_local_step(const int64_t* table, int64_t n_tensors, DType g_dtype, uint32_t* votes,
-                    float b1, float omb1, float b2, float omb2, bool ternary, int threads) {
+                    float b1, float omb1, bool ternary, int threads) {
   switch (g_dtype) {
     case DType::kFloat32:
-      return local_step_dtype<float>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+      return local_step_dtype<float>(table, n_tensors, votes, b1, omb1, ternary, threads);
     case DType::kBFloat16:
-      return local_step_dtype<bf16>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+      return local_step_dtype<bf16>(table, n_tensors, votes, b1, omb1, ternary, threads);
     case DType::kFloat16:
-      return local_step_dtype<fp16>(table, n_tensors, votes, b1, omb1, b2, omb2, ternary, threads);
+      return local_step_dtype<fp16>(table, n_tensors, votes, b1, omb1, ternary, threads);
   }
   throw std::invalid_argument("dlion_kernels: unknown gradient dtype code");
 }
@@ -660,16 +685,21 @@ void cpu_tally(const uint32_t* stacked, int64_t row_words, int64_t n, int64_t bl
   }
 }
 
-void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, const uint32_t* aggregate,
-               float lr, float wd, int64_t n, bool average, bool ternary, int threads) {
+void cpu_apply(const int64_t* table, int64_t n_tensors, DType p_dtype, DType g_dtype,
+               const uint32_t* aggregate, float lr, float wd, float b2, float omb2, int64_t n,
+               bool average, bool ternary, int threads) {
   check_n(n);
+  const ApplyArgs a{lr, wd, b2, omb2, static_cast<float>(n), static_cast<int>(n), 0};
   switch (p_dtype) {
     case DType::kFloat32:
-      return apply_dtype<float>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+      return apply_grad_dtype<float>(table, n_tensors, p_dtype, g_dtype, aggregate, a, average,
+                                     ternary, threads);
     case DType::kBFloat16:
-      return apply_dtype<bf16>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+      return apply_grad_dtype<bf16>(table, n_tensors, p_dtype, g_dtype, aggregate, a, average,
+                                    ternary, threads);
     case DType::kFloat16:
-      return apply_dtype<fp16>(table, n_tensors, aggregate, lr, wd, n, average, ternary, threads);
+      return apply_grad_dtype<fp16>(table, n_tensors, p_dtype, g_dtype, aggregate, a, average,
+                                    ternary, threads);
   }
   throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
 }

@@ -106,6 +106,7 @@ struct Entry {
   const void* a;
   void* b;
   int64_t numel, block, base;  // base: first element of this CTA's chunk
+  int t;                       // the tensor's column in the table
 };
 
 __device__ __forceinline__ Entry load_entry(const int64_t* __restrict__ table, int n_tensors) {
@@ -117,6 +118,7 @@ __device__ __forceinline__ Entry load_entry(const int64_t* __restrict__ table, i
   e.numel = __ldg(table + kRowNumel * n_tensors + t);
   e.block = __ldg(table + kRowBlock * n_tensors + t);
   e.base = (chunk - __ldg(table + kRowChunk * n_tensors + t)) * kChunk;
+  e.t = t;
   return e;
 }
 
@@ -141,37 +143,64 @@ using namespace detail;  // NOLINT: helpers of the kernels below
 
 // ----------------------------------------------------------------------------- local_step
 
-// G: float | __nv_bfloat16 | __half (gradient; null = zeros); momentum is fp32.
+// Loads kVec consecutive elements at element i of p (as fp32), zeros past `numel`. `vec`: p is
+// aligned to a kVec-element vector, so a full group is one vector access; each array decides for
+// itself, so a misaligned array runs scalar without taking the other arrays with it.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* p, int64_t i, int64_t numel, bool vec,
+                                           float (&v)[kVec]) {
+  if (i + kVec <= numel) {
+    if (vec) {
+      load_vec(p + i, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = to_float(p[i + j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = i + j < numel ? to_float(p[i + j]) : 0.0f;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_group(T* p, int64_t i, int64_t numel, bool vec,
+                                            const float (&v)[kVec]) {
+  if (vec && i + kVec <= numel) {
+    store_vec(p + i, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (i + j < numel) p[i + j] = from_float<T>(v[j]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ bool vec_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (kVec * sizeof(T)) == 0;
+}
+
+// G: float | __nv_bfloat16 | __half (gradient; null = zeros); momentum is fp32 and only read
+// (apply writes it, kernel stages v2).
 template <typename G, bool TERNARY>
 __global__ void __launch_bounds__(kThreads)
     local_step_kernel(const int64_t* __restrict__ table, int n_tensors,
-                      uint32_t* __restrict__ votes, float b1, float omb1, float b2, float omb2) {
+                      uint32_t* __restrict__ votes, float b1, float omb1) {
   const Entry e = load_entry(table, n_tensors);
   const G* __restrict__ g = static_cast<const G*>(e.a);
-  float* __restrict__ m = static_cast<float*>(e.b);
-  const bool vec_ok = reinterpret_cast<uintptr_t>(m) % (kVec * sizeof(float)) == 0 &&
-                      reinterpret_cast<uintptr_t>(g) % (kVec * sizeof(G)) == 0;
+  const float* __restrict__ m = static_cast<const float*>(e.b);
+  const bool vec_m = vec_aligned(m), vec_g = g != nullptr && vec_aligned(g);
 
   // Loads of all passes first: kUnroll * (16 + 4 * sizeof(G)) bytes in flight per thread.
   float gv[kUnroll][kVec], mv[kUnroll][kVec];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = element_index(e.base, u);
-    if (vec_ok && i + kVec <= e.numel) {
-      load_vec(m + i, mv[u]);
-      if (g != nullptr) {
-        load_vec(g + i, gv[u]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
-      }
+    load_group(m, i, e.numel, vec_m, mv[u]);
+    if (g != nullptr) {
+      load_group(g, i, e.numel, vec_g, gv[u]);
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const bool in = i + j < e.numel;
-        mv[u][j] = in ? m[i + j] : 0.0f;
-        gv[u][j] = (in && g != nullptr) ? to_float(g[i + j]) : 0.0f;
-      }
+      for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
     }
   }
 
@@ -182,26 +211,16 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float c = __fadd_rn(__fmul_rn(b1, mv[u][j]), __fmul_rn(omb1, gv[u][j]));
-      mv[u][j] = __fadd_rn(__fmul_rn(b2, mv[u][j]), __fmul_rn(omb2, gv[u][j]));
       pos |= static_cast<uint32_t>(c > 0.0f) << j;
-      if (TERNARY) neg |= static_cast<uint32_t>(c < 0.0f) << j;
+      if constexpr (TERNARY) neg |= static_cast<uint32_t>(c < 0.0f) << j;
     }
-    if (vec_ok && i + kVec <= e.numel) {
-      store_vec(m + i, mv[u]);
-    } else {
-      const int64_t left = e.numel - i;  // elements of this thread's kVec inside the tensor
-      const uint32_t valid = left >= kVec ? 0xFu : (left > 0 ? (1u << left) - 1u : 0u);
-      pos &= valid;
-      neg &= valid;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        if (i + j < e.numel) m[i + j] = mv[u][j];
-    }
-    pos = gather_word(pos);
-    if (TERNARY) neg = gather_word(neg);
+    const int64_t left = e.numel - i;  // elements of this thread's kVec inside the tensor
+    const uint32_t valid = left >= kVec ? 0xFu : (left > 0 ? (1u << left) - 1u : 0u);
+    pos = gather_word(pos & valid);
+    if constexpr (TERNARY) neg = gather_word(neg & valid);
     if ((threadIdx.x & 7) == 0 && i < e.numel) {
       const int64_t word = e.block + i / kBlock;
-      if (TERNARY) {
+      if constexpr (TERNARY) {
         votes[2 * word] = pos;
         votes[2 * word + 1] = neg;
       } else {
@@ -213,33 +232,35 @@ __global__ void __launch_bounds__(kThreads)
 
 // ----------------------------------------------------------------------------- apply
 
-// P: float | __nv_bfloat16 | __half (parameter); KIND: Decode.
-template <typename P, int KIND>
+// P: float | __nv_bfloat16 | __half (parameter); G: P or float (gradient; null = zeros); KIND:
+// Decode. x = x - lr * (D + wd * x) and m = b2*m + omb2*g, unless *skip != 0 (then nothing).
+template <typename P, typename G, int KIND>
 __global__ void __launch_bounds__(kThreads)
     apply_kernel(const int64_t* __restrict__ table, int n_tensors,
                  const uint32_t* __restrict__ aggregate, int planes, float lr, float wd, int n,
-                 float nf) {
+                 float nf, float b2, float omb2, const int32_t* __restrict__ skip) {
+  // The flag of a step dropped after the exchange, read on the device: no host sync.
+  if (skip != nullptr && __ldg(skip) != 0) return;
   const Entry e = load_entry(table, n_tensors);
   P* __restrict__ x = static_cast<P*>(const_cast<void*>(e.a));
-  const bool vec_ok = reinterpret_cast<uintptr_t>(x) % (kVec * sizeof(P)) == 0;
+  float* __restrict__ m = static_cast<float*>(e.b);
+  const G* __restrict__ g = reinterpret_cast<const G*>(
+      __ldg(table + kRowC * n_tensors + e.t));
+  const bool vec_x = vec_aligned(x), vec_m = vec_aligned(m);
+  const bool vec_g = g != nullptr && vec_aligned(g);
 
   float xv[kUnroll][kVec];
   uint32_t w0[kUnroll], w1[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = element_index(e.base, u);
-    if (vec_ok && i + kVec <= e.numel) {
-      load_vec(x + i, xv[u]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) xv[u][j] = i + j < e.numel ? to_float(x[i + j]) : 0.0f;
-    }
+    load_group(x, i, e.numel, vec_x, xv[u]);
     w0[u] = w1[u] = 0;
-    if (KIND == kVoteBinary || KIND == kVoteTernary) {
+    if constexpr (KIND == kVoteBinary || KIND == kVoteTernary) {
       if (i < e.numel) {
         const int64_t word = (e.block + i / kBlock) * planes;
         w0[u] = __ldg(aggregate + word);
-        if (KIND == kVoteTernary) w1[u] = __ldg(aggregate + word + 1);
+        if constexpr (KIND == kVoteTernary) w1[u] = __ldg(aggregate + word + 1);
       }
     }
   }
@@ -249,10 +270,10 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = element_index(e.base, u);
     const int shift = static_cast<int>(i % kBlock);
     float d[kVec];
-    if (KIND == kVoteBinary) {
+    if constexpr (KIND == kVoteBinary) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) d[j] = ((w0[u] >> (shift + j)) & 1u) ? 1.0f : -1.0f;
-    } else if (KIND == kVoteTernary) {
+    } else if constexpr (KIND == kVoteTernary) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
         d[j] = __int2float_rn(static_cast<int>((w0[u] >> (shift + j)) & 1u) -
@@ -278,13 +299,30 @@ __global__ void __launch_bounds__(kThreads)
       const float xf = xv[u][j];
       xv[u][j] = __fsub_rn(xf, __fmul_rn(lr, __fadd_rn(d[j], __fmul_rn(wd, xf))));
     }
-    if (vec_ok && i + kVec <= e.numel) {
-      store_vec(x + i, xv[u]);
+    store_group(x, i, e.numel, vec_x, xv[u]);
+  }
+
+  // The momentum, after x so that x's registers are free: kUnroll * (16 + 4 * sizeof(G)) bytes
+  // in flight per thread again.
+  float mv[kUnroll][kVec], gv[kUnroll][kVec];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+    load_group(m, i, e.numel, vec_m, mv[u]);
+    if (g != nullptr) {
+      load_group(g, i, e.numel, vec_g, gv[u]);
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        if (i + j < e.numel) x[i + j] = from_float<P>(xv[u][j]);
+      for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
     }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = element_index(e.base, u);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      mv[u][j] = __fadd_rn(__fmul_rn(b2, mv[u][j]), __fmul_rn(omb2, gv[u][j]));
+    store_group(m, i, e.numel, vec_m, mv[u]);
   }
 }
 
@@ -348,50 +386,66 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
 }
 
 // One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. Ternary
-// counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors.
+// counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
+// tiles of kTallyThreads consecutive blocks (the loop bounds are the same for all its threads, so
+// __syncthreads is safe in it). Average mode writes out_planes words per block: they go through
+// shared memory so that consecutive threads store consecutive words (coalesced), instead of each
+// thread storing out_planes words out_planes apart.
 template <int PLANES, bool TERNARY>
 __global__ void __launch_bounds__(kTallyThreads)
     tally_kernel(const uint32_t* __restrict__ stacked, int64_t row_words, int n, int64_t blocks,
                  uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie) {
   constexpr int kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; b < blocks; b += stride) {
+  __shared__ uint32_t staged[kTallyThreads * PLANES];
+  const int64_t stride = int64_t{gridDim.x} * kTallyThreads;
+  for (int64_t b0 = int64_t{blockIdx.x} * kTallyThreads; b0 < blocks; b0 += stride) {
+    const int64_t b = b0 + threadIdx.x;
+    const bool active = b < blocks;
     uint32_t cnt[PLANES];
 #pragma unroll
     for (int p = 0; p < PLANES; ++p) cnt[p] = 0;
-    const uint32_t* col = stacked + (TERNARY ? 2 * b : b);
-    int i = 0;
-    if (PLANES >= 4) {
-      for (; i + kGroupRows <= n; i += kGroupRows) {
-        uint32_t a[8];
+    if (active) {
+      const uint32_t* col = stacked + (TERNARY ? 2 * b : b);
+      int i = 0;
+      if constexpr (PLANES >= 4) {
+        for (; i + kGroupRows <= n; i += kGroupRows) {
+          uint32_t a[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          if (TERNARY) {
-            const uint32_t w = __ldg(col + (i + k / 2) * row_words + (k % 2));
-            a[k] = (k % 2) ? ~w : w;
-          } else {
-            a[k] = __ldg(col + (i + k) * row_words);
+          for (int k = 0; k < 8; ++k) {
+            if constexpr (TERNARY) {
+              const uint32_t w = __ldg(col + (i + k / 2) * row_words + (k % 2));
+              a[k] = (k % 2) ? ~w : w;
+            } else {
+              a[k] = __ldg(col + (i + k) * row_words);
+            }
           }
+          add_8_bits(cnt, a);
         }
-        add_8_bits(cnt, a);
       }
-    }
 #pragma unroll 4
-    for (; i < n; ++i) {
-      const uint32_t* row = col + i * row_words;
-      if (TERNARY) {
-        const uint32_t plus = __ldg(row), minus = __ldg(row + 1);
-        add_bits(cnt, plus);
-        add_bits(cnt, ~minus);
-      } else {
-        add_bits(cnt, __ldg(row));
+      for (; i < n; ++i) {
+        const uint32_t* row = col + i * row_words;
+        if constexpr (TERNARY) {
+          const uint32_t plus = __ldg(row), minus = __ldg(row + 1);
+          add_bits(cnt, plus);
+          add_bits(cnt, ~minus);
+        } else {
+          add_bits(cnt, __ldg(row));
+        }
       }
     }
     if (average) {
 #pragma unroll
       for (int p = 0; p < PLANES; ++p)
-        if (p < out_planes) out[b * out_planes + p] = cnt[p];
-    } else if (TERNARY) {  // pos: q > n, neg: q < n
+        if (p < out_planes) staged[threadIdx.x * out_planes + p] = cnt[p];
+      __syncthreads();
+      const int64_t tile = blocks - b0 < kTallyThreads ? blocks - b0 : kTallyThreads;
+      const int words = static_cast<int>(tile) * out_planes;
+      for (int k = threadIdx.x; k < words; k += kTallyThreads) out[b0 * out_planes + k] = staged[k];
+      __syncthreads();  // the next tile overwrites `staged`
+    } else if (!active) {
+      continue;
+    } else if constexpr (TERNARY) {  // pos: q > n, neg: q < n
       uint32_t gt, eq;
       compare_const(cnt, n, gt, eq);
       out[2 * b] = gt;

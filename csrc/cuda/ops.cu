@@ -55,39 +55,57 @@ void check_n(int64_t n) {
 
 template <typename G>
 void launch_local_step(dim3 grid, cudaStream_t s, const int64_t* table, int n_tensors,
-                       uint32_t* votes, float b1, float omb1, float b2, float omb2, bool ternary) {
+                       uint32_t* votes, float b1, float omb1, bool ternary) {
   if (ternary) {
     cuda::local_step_kernel<G, true>
-        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, votes, b1, omb1, b2, omb2);
+        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, votes, b1, omb1);
   } else {
     cuda::local_step_kernel<G, false>
-        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, votes, b1, omb1, b2, omb2);
+        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, votes, b1, omb1);
   }
 }
 
-template <typename P>
+struct ApplyArgs {
+  float lr, wd, b2, omb2;
+  int64_t n;
+  bool average, ternary;
+  const int32_t* skip;
+};
+
+template <typename P, typename G>
 void launch_apply(dim3 grid, cudaStream_t s, const int64_t* table, int n_tensors,
-                  const uint32_t* agg, float lr, float wd, int64_t n, bool average, bool ternary) {
-  const int ni = static_cast<int>(n);
-  const float nf = static_cast<float>(n);
-  if (!average) {
-    if (ternary) {
-      cuda::apply_kernel<P, cuda::kVoteTernary>
-          <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, agg, 2, lr, wd, ni, nf);
+                  const uint32_t* agg, const ApplyArgs& a) {
+  const int ni = static_cast<int>(a.n);
+  const float nf = static_cast<float>(a.n);
+#define DLION_APPLY_LAUNCH(KIND, PLANES)                                                    \
+  cuda::apply_kernel<P, G, KIND><<<grid, cuda::kThreads, 0, s>>>(                           \
+      table, n_tensors, agg, PLANES, a.lr, a.wd, ni, nf, a.b2, a.omb2, a.skip)
+  if (!a.average) {
+    if (a.ternary) {
+      DLION_APPLY_LAUNCH(cuda::kVoteTernary, 2);
     } else {
-      cuda::apply_kernel<P, cuda::kVoteBinary>
-          <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, agg, 1, lr, wd, ni, nf);
+      DLION_APPLY_LAUNCH(cuda::kVoteBinary, 1);
     }
     return;
   }
-  const int planes = bit_length(ternary ? 2 * n : n);
-  if (ternary) {
-    cuda::apply_kernel<P, cuda::kAverageTernary>
-        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, agg, planes, lr, wd, ni, nf);
+  const int planes = bit_length(a.ternary ? 2 * a.n : a.n);
+  if (a.ternary) {
+    DLION_APPLY_LAUNCH(cuda::kAverageTernary, planes);
   } else {
-    cuda::apply_kernel<P, cuda::kAverageBinary>
-        <<<grid, cuda::kThreads, 0, s>>>(table, n_tensors, agg, planes, lr, wd, ni, nf);
+    DLION_APPLY_LAUNCH(cuda::kAverageBinary, planes);
   }
+#undef DLION_APPLY_LAUNCH
+}
+
+// Gradients of the parameters' dtype or fp32 (e.g. fp32 node means with bf16 parameters).
+template <typename P>
+void launch_apply_grad(DType p_dtype, DType g_dtype, dim3 grid, cudaStream_t s,
+                       const int64_t* table, int n_tensors, const uint32_t* agg,
+                       const ApplyArgs& a) {
+  if (g_dtype == p_dtype) return launch_apply<P, P>(grid, s, table, n_tensors, agg, a);
+  if (g_dtype == DType::kFloat32) return launch_apply<P, float>(grid, s, table, n_tensors, agg, a);
+  throw std::invalid_argument("dlion_kernels: apply: gradients must have the parameters' dtype "
+                              "or float32");
 }
 
 template <bool TERNARY>
@@ -131,8 +149,8 @@ std::string cuda_runtime_problem() {
 }
 
 void cuda_local_step(int64_t table, int64_t n_tensors, int64_t n_chunks, DType g_dtype,
-                     int64_t votes, float b1, float omb1, float b2, float omb2, bool ternary,
-                     int device, int64_t stream) {
+                     int64_t votes, float b1, float omb1, bool ternary, int device,
+                     int64_t stream) {
   if (n_chunks <= 0 || n_tensors <= 0) return;
   check_grid(n_chunks, "local_step");
   DeviceGuard guard(device);
@@ -143,13 +161,13 @@ void cuda_local_step(int64_t table, int64_t n_tensors, int64_t n_chunks, DType g
   const int T = static_cast<int>(n_tensors);
   switch (g_dtype) {
     case DType::kFloat32:
-      launch_local_step<float>(grid, s, t, T, v, b1, omb1, b2, omb2, ternary);
+      launch_local_step<float>(grid, s, t, T, v, b1, omb1, ternary);
       break;
     case DType::kBFloat16:
-      launch_local_step<__nv_bfloat16>(grid, s, t, T, v, b1, omb1, b2, omb2, ternary);
+      launch_local_step<__nv_bfloat16>(grid, s, t, T, v, b1, omb1, ternary);
       break;
     case DType::kFloat16:
-      launch_local_step<__half>(grid, s, t, T, v, b1, omb1, b2, omb2, ternary);
+      launch_local_step<__half>(grid, s, t, T, v, b1, omb1, ternary);
       break;
     default:
       throw std::invalid_argument("dlion_kernels: local_step: unknown gradient dtype code");
@@ -180,9 +198,9 @@ void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, i
   check_launch("tally kernel launch failed");
 }
 
-void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtype,
-                int64_t aggregate, float lr, float wd, int64_t n, bool average, bool ternary,
-                int device, int64_t stream) {
+void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtype, DType g_dtype,
+                int64_t aggregate, float lr, float wd, float b2, float omb2, int64_t n,
+                bool average, bool ternary, int64_t skip, int device, int64_t stream) {
   check_n(n);
   if (n_chunks <= 0 || n_tensors <= 0) return;
   check_grid(n_chunks, "apply");
@@ -192,15 +210,17 @@ void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtyp
   const auto* t = reinterpret_cast<const int64_t*>(table);
   const auto* agg = reinterpret_cast<const uint32_t*>(aggregate);
   const int T = static_cast<int>(n_tensors);
+  const ApplyArgs a{lr, wd, b2, omb2, n, average, ternary,
+                    reinterpret_cast<const int32_t*>(skip)};
   switch (p_dtype) {
     case DType::kFloat32:
-      launch_apply<float>(grid, s, t, T, agg, lr, wd, n, average, ternary);
+      launch_apply_grad<float>(p_dtype, g_dtype, grid, s, t, T, agg, a);
       break;
     case DType::kBFloat16:
-      launch_apply<__nv_bfloat16>(grid, s, t, T, agg, lr, wd, n, average, ternary);
+      launch_apply_grad<__nv_bfloat16>(p_dtype, g_dtype, grid, s, t, T, agg, a);
       break;
     case DType::kFloat16:
-      launch_apply<__half>(grid, s, t, T, agg, lr, wd, n, average, ternary);
+      launch_apply_grad<__half>(p_dtype, g_dtype, grid, s, t, T, agg, a);
       break;
     default:
       throw std::invalid_argument("dlion_kernels: apply: unknown parameter dtype code");

@@ -17,15 +17,17 @@ int64_t cuda_chunk_elems();
 // "" if the CUDA runtime sees at least one device, else the reason (driver too old, no device).
 std::string cuda_runtime_problem();
 
+// Kernel stages v2: local_step reads m, apply writes x and m (and does nothing when the int32
+// at `skip` is non-zero; skip = 0: no flag).
 void cuda_local_step(int64_t table, int64_t n_tensors, int64_t n_chunks, DType g_dtype,
-                     int64_t votes, float b1, float omb1, float b2, float omb2, bool ternary,
-                     int device, int64_t stream);
+                     int64_t votes, float b1, float omb1, bool ternary, int device,
+                     int64_t stream);
 
 void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, int64_t out,
                 bool average, bool ternary, uint32_t tie, int device, int64_t stream);
 
-void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtype,
-                int64_t aggregate, float lr, float wd, int64_t n, bool average, bool ternary,
-                int device, int64_t stream);
+void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtype, DType g_dtype,
+                int64_t aggregate, float lr, float wd, float b2, float omb2, int64_t n,
+                bool average, bool ternary, int64_t skip, int device, int64_t stream);
 
 }  // namespace dlion

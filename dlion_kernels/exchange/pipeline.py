@@ -13,11 +13,11 @@ Per bucket (its own block space, ``buckets.py``; n ranks, rank r owns shard r of
 The header is the step header of ``header.py`` (two int32 words, ``[flags, step]``), copied
 into every chunk of the all_to_all payload. So after the first collective every rank holds
 every rank's flags and step for this bucket: all ranks take the same skip/raise decision, and
-ranks on different steps raise ``StepMismatchError`` instead of mixing steps. There is no third collective; the
-header costs 8 bytes per peer per bucket. Momentum is written only by ``apply`` (kernel stages
-v2), which takes the skip flag as a device tensor, so a non-finite gradient on any rank leaves
-every parameter and momentum of every rank unchanged even though the votes of earlier buckets
-were exchanged during backward.
+ranks on different steps raise ``StepMismatchError`` instead of mixing steps. There is no third
+collective; the header costs 8 bytes per peer per bucket. Momentum is written only by
+``apply`` (kernel stages v2), which takes the skip flag as a device tensor, so a non-finite
+gradient on any rank leaves every parameter and momentum of every rank unchanged even though the
+votes of earlier buckets were exchanged during backward.
 
 Ordering. The collectives of a step are issued in the same order on every rank, whatever the
 timing: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
@@ -41,7 +41,6 @@ Streams (CUDA; on CPU every call below is a no-op and the same code runs):
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -141,41 +140,6 @@ def by_dtype(items):
         first = next(k for k in groups if k is not None)
         groups[first] += groups.pop(None)
     return list(groups.values())
-
-
-class _Stages:
-    """A backend's stages with the v2 signatures (kernel stages v2, TEAM.md): local_step leaves
-    the momentum alone, apply writes it and takes a device skip flag. A v1 backend (local_step
-    writes m, apply has no skip) is adapted: the vote is taken on a copy of the momentum, and
-    apply runs v1's update of m (local_step into a scratch vote buffer) after v1's apply."""
-
-    def __init__(self, kernels):
-        self.k = kernels
-        self.v2 = "skip" in inspect.signature(kernels.apply).parameters
-        self.nonfinite, self.tally = kernels.nonfinite, kernels.tally
-
-    def local_step(self, grads, exp_avgs, votes, offsets, beta1, ternary):
-        if self.v2:
-            self.k.local_step(grads, exp_avgs, votes, offsets, beta1, ternary)
-        else:
-            copies = [m.clone() for m in exp_avgs]
-            self.k.local_step(grads, copies, votes, offsets, beta1, 0.0, ternary)
-
-    def apply(self, params, grads, exp_avgs, aggregate, offsets, lr, wd, beta2, n, mode,
-              ternary, skip):
-        if self.v2:
-            self.k.apply(params, grads, exp_avgs, aggregate, offsets, lr, wd, beta2, n, mode,
-                         ternary, skip=skip)
-            return
-        if skip is not None and bool(skip.item()):
-            return
-        self.k.apply(params, aggregate, offsets, lr, wd, n, mode, ternary)
-        scratch_offsets, total = [], 0
-        for m in exp_avgs:
-            scratch_offsets.append(total)
-            total += (m.numel() + 31) // 32
-        scratch = torch.empty(2 * max(total, 1), dtype=torch.int32, device=aggregate.device)
-        self.k.local_step(grads, exp_avgs, scratch, scratch_offsets, 0.0, beta2, ternary)
 
 
 class Streams:
@@ -281,7 +245,7 @@ class _BucketWork:
             for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
                 p, g, m, off = zip(*part)
                 ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
-                                s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary, skip)
+                                s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary, skip=skip)
 
 
 def _by_segment(rows):
@@ -310,7 +274,7 @@ class Exchange:
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
         self.backend = backends.resolve(backend, self.device)
-        self.stages = _Stages(backends.get(self.backend))
+        self.stages = backends.get(self.backend)  # kernel stages v2 (TEAM.md)
         self.mode, self.votes, self.nonfinite = mode, votes, nonfinite
         self.ternary = votes == "ternary"
         self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)

@@ -3,13 +3,14 @@
 Each backend object has the stage functions of ``reference.py`` with the same arguments and
 results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounded once):
 
-- ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
+- ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``
 - ``tally(stacked, out, n, mode, ternary, step)``
-- ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+- ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
+  skip=None)``
 
 Each stage is one kernel call for the whole list of tensors. The tensors reach the kernels through
-a *tensor table* (``csrc/common.h``): an int64 tensor of 5 rows (pointer a, pointer b, numel,
-block offset, first CUDA chunk) and one column per tensor, on the tensors' device. Tables are
+a *tensor table* (``csrc/common.h``): an int64 tensor of 6 rows (pointer a, pointer b, numel,
+block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device. Tables are
 cached on their content, so a steady-state optimizer step (same tensors, same offsets) builds and
 uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
 one device; this module checks what memory safety needs when it builds a table.
@@ -118,13 +119,15 @@ class _Table:
 
     __slots__ = ("tensor", "address", "count", "chunks", "end_block")
 
-    def __init__(self, rows, device, chunk_elems: int, end_block: int):
+    def __init__(self, rows, device, chunk_elems: int, end_block: int, c_row=None):
+        """rows: a, b, numel, block (lists, one entry per tensor); c_row: pointers c or None."""
         count = len(rows[0])
         chunk_starts, total = [], 0
         for numel in rows[2]:
             chunk_starts.append(total)
             total += -(-numel // chunk_elems) if chunk_elems else 0
-        table = torch.tensor([*rows, chunk_starts], dtype=torch.int64)
+        c_row = [0] * count if c_row is None else c_row
+        table = torch.tensor([*rows, chunk_starts, c_row], dtype=torch.int64)
         if device.type == "cuda":
             table = table.to(device)
         self.tensor = table
@@ -208,6 +211,47 @@ class _NativeBackend:
                 row.append(value)
         return self._store(key, _Table(rows, device, self._chunk, end_block)), code
 
+    def _apply_table(self, params, grads, exp_avgs, offsets) -> tuple[_Table, int, int]:
+        """The table of apply (a = param, b = momentum, c = gradient or 0), and the dtype codes
+        of the parameters and the gradients."""
+        x_ptrs = [x.data_ptr() for x in params]
+        g_ptrs = [0 if g is None else g.data_ptr() for g in grads]
+        m_ptrs = [m.data_ptr() for m in exp_avgs]
+        numels = [x.numel() for x in params]
+        p_dtype = params[0].dtype
+        g_dtype = next((g.dtype for g in grads if g is not None), p_dtype)
+        key = ("apply", p_dtype, g_dtype, *x_ptrs, *g_ptrs, *m_ptrs, *numels, *offsets)
+        table = self._cached(key)
+        if table is None:
+            if not len(params) == len(grads) == len(exp_avgs) == len(offsets):
+                raise ValueError("params, grads, exp_avgs and offsets must have equal lengths")
+            device = params[0].device
+            _dtype_code(p_dtype, "params")
+            _dtype_code(g_dtype, "grads")
+            if g_dtype not in (p_dtype, torch.float32):
+                raise TypeError(
+                    f"grads must have the parameters' dtype ({p_dtype}) or float32, got {g_dtype}"
+                )
+            self._check_list(params, "params", device, p_dtype)
+            self._check_list(grads, "grads", device, g_dtype)
+            self._check_list(exp_avgs, "exp_avgs", device, torch.float32)
+            rows, c_row = [[], [], [], []], []
+            end_block = 0
+            for i, (g, m, xp, gp, mp, numel, off) in enumerate(
+                zip(grads, exp_avgs, x_ptrs, g_ptrs, m_ptrs, numels, offsets)
+            ):
+                for what, t in (("grads", g), ("exp_avgs", m)):
+                    if t is not None and t.numel() != numel:
+                        raise ValueError(f"{what}[{i}] has {t.numel()} elements, params[{i}] {numel}")
+                if numel == 0:
+                    continue
+                end_block = max(end_block, off + num_blocks(numel))
+                for row, value in zip(rows, (xp, mp, numel, off)):
+                    row.append(value)
+                c_row.append(gp)
+            table = self._store(key, _Table(rows, device, self._chunk, end_block, c_row))
+        return table, _DTYPE_CODES[p_dtype], _DTYPE_CODES[g_dtype]
+
     def _single_table(self, what, tensors, offsets) -> _Table:
         """A table of one tensor list (row a), e.g. the params of apply."""
         ptrs = [x.data_ptr() for x in tensors]
@@ -234,8 +278,8 @@ class _NativeBackend:
 
     # ------------------------------------------------------------------------- the stages
 
-    def local_step(self, grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
-        """c = b1*m + (1-b1)*g; m = b2*m + (1-b2)*g; votes[...] = packed vote(c). ``None`` g = 0."""
+    def local_step(self, grads, exp_avgs, votes, offsets, beta1, ternary):
+        """c = b1*m + (1-b1)*g; votes[...] = packed vote(c). m is read only. ``None`` g = 0."""
         if len(exp_avgs) == 0:
             return
         device = self._device_args(exp_avgs[0])
@@ -244,8 +288,8 @@ class _NativeBackend:
             return
         planes = vote_planes("ternary" if ternary else "binary")
         _check_words(votes, "votes", table.end_block * planes)
-        beta1, beta2 = float(beta1), float(beta2)
-        args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, bool(ternary))
+        beta1 = float(beta1)
+        args = (beta1, 1.0 - beta1, bool(ternary))
         if votes.device != exp_avgs[0].device:
             raise ValueError(f"votes is on {votes.device}, exp_avgs on {exp_avgs[0].device}")
         if self.cuda:
@@ -286,27 +330,41 @@ class _NativeBackend:
         else:
             self._C.cpu_tally(stacked.data_ptr(), *args, tie, torch.get_num_threads())
 
-    def apply(self, params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
-        """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype."""
+    def apply(self, params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n,
+              mode, ternary, skip=None):
+        """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype;
+        m = b2*m + (1-b2)*g. Nothing when ``skip`` (int32 [1] on the params' device) is non-zero:
+        CUDA reads it in the kernel (no host sync), the CPU here."""
         if len(params) == 0:
             return
         device = self._device_args(params[0])
-        table = self._single_table("params", params, offsets)
+        table, p_code, g_code = self._apply_table(params, grads, exp_avgs, offsets)
         if table.count == 0:
             return
         planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
         _check_words(aggregate, "aggregate", table.end_block * planes)
         if aggregate.device != params[0].device:
             raise ValueError(f"aggregate is on {aggregate.device}, params on {params[0].device}")
-        code = _DTYPE_CODES[params[0].dtype]
-        args = (float(lr), float(weight_decay), n, mode == "average", bool(ternary))
+        if skip is not None:
+            if skip.dtype != torch.int32 or skip.numel() < 1 or skip.device != params[0].device:
+                raise TypeError(
+                    f"skip must be an int32 tensor of 1 element on {params[0].device}, got "
+                    f"{skip.dtype} of {skip.numel()} on {skip.device}"
+                )
+            if not self.cuda and int(skip[0]) != 0:
+                return
+        beta2 = float(beta2)
+        args = (float(lr), float(weight_decay), beta2, 1.0 - beta2, n, mode == "average",
+                bool(ternary))
         if self.cuda:
+            skip_address = 0 if skip is None else skip.data_ptr()
             self._C.cuda_apply(
-                table.address, table.count, table.chunks, code, aggregate.data_ptr(), *args, *device
+                table.address, table.count, table.chunks, p_code, g_code, aggregate.data_ptr(),
+                *args, skip_address, *device,
             )
         else:
             self._C.cpu_apply(
-                table.address, table.count, code, aggregate.data_ptr(), *args,
+                table.address, table.count, p_code, g_code, aggregate.data_ptr(), *args,
                 torch.get_num_threads(),
             )
 

@@ -2,10 +2,15 @@
 
 Every backend implements the same three functions with the same arguments (see ``backends.py``):
 
-- ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
+- ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``: votes of c; m is read only
 - ``tally(stacked, out, n, mode, ternary, step)``
-- ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+- ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
+  skip=None)``: x and m, unless ``skip`` (int32 [1] on the device) holds a non-zero flag
 - ``nonfinite(grads)``: the check that runs before a step modifies anything
+
+The momentum is written by ``apply``, not by ``local_step`` (kernel stages v2): a step that is
+dropped after the exchange (a non-finite gradient on some rank, known only from the exchange's
+payload) leaves both x and m untouched, and the GPU kernels read that flag on the device.
 
 The packed formats are described in ``layout.py``. Arithmetic is fp32, one IEEE rounding per
 operation and no fused multiply-add, in exactly the order written below; the other backends do the
@@ -44,17 +49,15 @@ def unpack_bits(words: torch.Tensor, planes: int) -> torch.Tensor:
     return (w >> _SHIFTS.to(words.device)) & 1
 
 
-def local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
-    """c = b1*m + (1-b1)*g; m = b2*m + (1-b2)*g; votes[...] = packed vote(c). ``None`` g = 0."""
+def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
+    """c = b1*m + (1-b1)*g; votes[...] = packed vote(c). m is read only. ``None`` g = 0."""
     planes = 2 if ternary else 1
     for g, m, off in zip(grads, exp_avgs, offsets):
         device = m.device
         b1, omb1 = _f32(beta1, device), _f32(1.0 - beta1, device)
-        b2, omb2 = _f32(beta2, device), _f32(1.0 - beta2, device)
         mf = m.reshape(-1)
         gf = torch.zeros_like(mf) if g is None else g.reshape(-1).to(_F32)
         c = b1 * mf + omb1 * gf
-        mf.copy_(b2 * mf + omb2 * gf)
         vote = [c > 0, c < 0] if ternary else [c > 0]
         nb = num_blocks(mf.numel())
         votes[off * planes : (off + nb) * planes] = pack_bits(vote, mf.numel())
@@ -95,10 +98,15 @@ def decode(aggregate, numel, n, mode, ternary) -> torch.Tensor:
     return d.reshape(-1)[:numel]
 
 
-def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
-    """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype."""
+def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
+          skip=None):
+    """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype, and
+    m = b2*m + (1-b2)*g (fp32; ``None`` g = 0; g may have another dtype than x). Nothing at all
+    when ``skip`` (int32 [1]) is given and non-zero."""
+    if skip is not None and int(skip[0]) != 0:
+        return
     planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
-    for x, off in zip(params, offsets):
+    for x, g, m, off in zip(params, grads, exp_avgs, offsets):
         nb = num_blocks(x.numel())
         words = aggregate[off * planes : (off + nb) * planes]
         d = decode(words, x.numel(), n, mode, ternary)
@@ -106,6 +114,10 @@ def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
         xf = x.reshape(-1).to(_F32)
         xf = xf - lr32 * (d + wd32 * xf)
         x.copy_(xf.view_as(x).to(x.dtype))
+        b2, omb2 = _f32(beta2, m.device), _f32(1.0 - beta2, m.device)
+        mf = m.reshape(-1)
+        gf = torch.zeros_like(mf) if g is None else g.reshape(-1).to(_F32)
+        mf.copy_(b2 * mf + omb2 * gf)
 
 
 def nonfinite(grads) -> torch.Tensor:

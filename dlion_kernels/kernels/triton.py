@@ -3,9 +3,10 @@
 Same functions, same arguments, same results as the reference (votes and aggregates bit-exact,
 fp32 arithmetic in the reference's order with no fused multiply-add):
 
-- ``local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary)``
+- ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)`` (m is read only)
 - ``tally(stacked, out, n, mode, ternary, step)``
-- ``apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary)``
+- ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
+  skip=None)`` (writes x and m; ``skip`` is read by the kernel, no host sync)
 - ``nonfinite(grads)``: the reference's, which is one fused multi-tensor torch kernel on the GPU
 
 Multi-tensor apply. ``local_step`` and ``apply`` cover a whole list of tensors with ONE launch:
@@ -16,7 +17,7 @@ Multi-tensor apply. ``local_step`` and ``apply`` cover a whole list of tensors w
   ``present`` is 0 for a ``None`` gradient, which then counts as zeros. Then ``numel, block
   offset, first program``.
   ``local_step``: ``[g_off, g_present, m_off, m_present, numel, block_off, first]``;
-  ``apply``: ``[x_off, x_present, numel, block_off, first]``.
+  ``apply``: ``[x_off, x_present, g_off, g_present, m_off, m_present, numel, block_off, first]``.
   (Base pointer + offset rather than a raw address cast to a pointer: Triton keeps the base's
   16-byte alignment through the addition, and so vectorises the loads; through ``int_to_ptr`` it
   does not.)
@@ -83,22 +84,15 @@ def _load_f32(ptr, offs, numel, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED: tl.constexpr,
+def _combine(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, MASKED: tl.constexpr,
              SOFT_BF16: tl.constexpr):
-    """c = b1*m + omb1*g; m <- b2*m + omb2*g (stored); returns c. g = 0 where ``has_g`` is 0."""
-    if MASKED:
-        mask = offs < numel
+    """Returns b1*m + omb1*g (g = 0 where ``has_g`` is 0). Used for c (local step, m read only)
+    and for the new momentum (apply)."""
     m = _load_f32(m_ptr, offs, numel, MASKED, False)
     g = tl.zeros_like(m)
     if has_g:
         g = _load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
-    c = b1 * m + omb1 * g
-    m_new = b2 * m + omb2 * g
-    if MASKED:
-        tl.store(m_ptr + offs, m_new, mask=mask)
-    else:
-        tl.store(m_ptr + offs, m_new)
-    return c
+    return b1 * m + omb1 * g
 
 
 @triton.jit
@@ -116,8 +110,6 @@ def _local_step_kernel(
     votes_ptr,  # int32 packed votes
     b1,
     omb1,
-    b2,
-    omb2,
     TERNARY: tl.constexpr,
     G_ALIGN: tl.constexpr,  # elements: every g_off is a multiple of this
     M_ALIGN: tl.constexpr,
@@ -126,8 +118,7 @@ def _local_step_kernel(
 ):
     """One chunk of BLOCK elements of one tensor, in fp32 (g: stored dtype -> fp32):
 
-        c  = b1 * m + omb1 * g
-        m <- b2 * m + omb2 * g
+        c  = b1 * m + omb1 * g                   (m is read only: apply writes it)
         binary:  votes[blk]       bit j = (c > 0)
         ternary: votes[2*blk]     bit j = (c > 0),  votes[2*blk + 1] bit j = (c < 0)
 
@@ -149,10 +140,10 @@ def _local_step_kernel(
     cols = tl.arange(0, 32)
     offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
     if start + BLOCK <= numel:
-        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=False,
+        c = _combine(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, MASKED=False,
                      SOFT_BF16=SOFT_BF16)
     else:
-        c = _moments(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, b2, omb2, MASKED=True,
+        c = _combine(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, MASKED=True,
                      SOFT_BF16=SOFT_BF16)
 
     blk = start // 32 + rows  # block index inside the tensor
@@ -368,20 +359,30 @@ def _update(x_ptr, offs, numel, d, lr, wd, MASKED: tl.constexpr, SOFT_BF16: tl.c
 
 @triton.jit
 def _apply_kernel(
-    meta_ptr,  # int64 [T, 5]: x_off, x_present, numel, block_off, first
+    meta_ptr,  # int64 [T, 9]: x_off, x_present, g_off, g_present, m_off, m_present, numel,
+    #            block_off, first
     prog_ptr,  # int32 [programs]: tensor index of each program
     x_base,  # the parameters' base pointer (fp32/bf16/fp16)
+    g_base,  # the gradients' base pointer (the parameters' dtype or fp32)
+    m_base,  # the momenta's base pointer (fp32)
     agg_ptr,  # int32 packed aggregate, P planes a block
+    skip_ptr,  # int32 [1]: the step is dropped when non-zero (read only if HAS_SKIP)
     lr,
     wd,
+    b2,
+    omb2,
     n,
     n_f,  # float(n), rounded to fp32
     MODE_AVG: tl.constexpr,
     TERNARY: tl.constexpr,
     P: tl.constexpr,
     X_ALIGN: tl.constexpr,  # elements: every x_off is a multiple of this
+    G_ALIGN: tl.constexpr,
+    M_ALIGN: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
-    SOFT_BF16: tl.constexpr,
+    SOFT_BF16_X: tl.constexpr,
+    SOFT_BF16_G: tl.constexpr,
 ):
     """One chunk of BLOCK elements of one tensor. Bit j of plane p of block blk (element
     32 * blk + j) decodes to D:
@@ -390,46 +391,62 @@ def _apply_kernel(
         average:       q = sum_p bit_p << p,  D = div_rn(float(q - n), n) (ternary)
                                                   div_rn(float(2q - n), n) (binary)
         x <- x - lr * (D + wd * x)            (fp32, each operation rounded)
+        m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient)
+
+    Nothing at all when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
     """
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(prog_ptr + pid).to(tl.int64)
-    row = meta_ptr + t * 5
-    x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
-    numel = tl.load(row + 2)
-    block0 = tl.load(row + 3)
-    start = (pid - tl.load(row + 4)) * BLOCK
+    go = True
+    if HAS_SKIP:
+        go = tl.load(skip_ptr) == 0
+    if go:
+        pid = tl.program_id(0).to(tl.int64)
+        t = tl.load(prog_ptr + pid).to(tl.int64)
+        row = meta_ptr + t * 9
+        x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
+        g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
+        has_g = tl.load(row + 3) != 0
+        m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
+        numel = tl.load(row + 6)
+        block0 = tl.load(row + 7)
+        start = (pid - tl.load(row + 8)) * BLOCK
 
-    ROWS: tl.constexpr = BLOCK // 32
-    rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, 32)
-    offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
-    blk = start // 32 + rows
-    wmask = blk < (numel + 31) // 32
-    words = agg_ptr + (block0 + blk) * P
+        ROWS: tl.constexpr = BLOCK // 32
+        rows = tl.arange(0, ROWS)
+        cols = tl.arange(0, 32)
+        offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
+        blk = start // 32 + rows
+        wmask = blk < (numel + 31) // 32
+        words = agg_ptr + (block0 + blk) * P
 
-    if MODE_AVG:
-        q = tl.zeros([ROWS, 32], dtype=tl.int32)
-        for p in tl.static_range(P):
-            w = tl.load(words + p, mask=wmask, other=0)
-            q += ((w[:, None] >> cols[None, :]) & 1) << p
-        if TERNARY:
-            num = q - n
+        if MODE_AVG:
+            q = tl.zeros([ROWS, 32], dtype=tl.int32)
+            for p in tl.static_range(P):
+                w = tl.load(words + p, mask=wmask, other=0)
+                q += ((w[:, None] >> cols[None, :]) & 1) << p
+            if TERNARY:
+                num = q - n
+            else:
+                num = 2 * q - n
+            d = tl.div_rn(num.to(tl.float32), n_f)
         else:
-            num = 2 * q - n
-        d = tl.div_rn(num.to(tl.float32), n_f)
-    else:
-        w = tl.load(words, mask=wmask, other=0)
-        bit = (w[:, None] >> cols[None, :]) & 1
-        if TERNARY:
-            minus = tl.load(words + 1, mask=wmask, other=0)
-            d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
-        else:
-            d = (2 * bit - 1).to(tl.float32)
+            w = tl.load(words, mask=wmask, other=0)
+            bit = (w[:, None] >> cols[None, :]) & 1
+            if TERNARY:
+                minus = tl.load(words + 1, mask=wmask, other=0)
+                d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
+            else:
+                d = (2 * bit - 1).to(tl.float32)
 
-    if start + BLOCK <= numel:
-        _update(x_ptr, offs, numel, d, lr, wd, MASKED=False, SOFT_BF16=SOFT_BF16)
-    else:
-        _update(x_ptr, offs, numel, d, lr, wd, MASKED=True, SOFT_BF16=SOFT_BF16)
+        if start + BLOCK <= numel:
+            _update(x_ptr, offs, numel, d, lr, wd, MASKED=False, SOFT_BF16=SOFT_BF16_X)
+            m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=False,
+                             SOFT_BF16=SOFT_BF16_G)
+            tl.store(m_ptr + offs, m_new)
+        else:
+            _update(x_ptr, offs, numel, d, lr, wd, MASKED=True, SOFT_BF16=SOFT_BF16_X)
+            m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=True,
+                             SOFT_BF16=SOFT_BF16_G)
+            tl.store(m_ptr + offs, m_new, mask=offs < numel)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,43 +467,54 @@ def _chunk_block(numels) -> int:
 
 
 def _tables(kind, device, lists, numels, offsets, block):
-    """(tensor table, program table, programs, aligned, bases) for the tensor lists of a launch.
+    """The launches of one stage call: a list of (tensor table, program table, programs, aligned,
+    bases), one per *alignment group*. Tensors whose addresses (every list) are all multiples of
+    16 bytes go into the aligned launch (vector loads); the others into an unaligned one, so a
+    single odd tensor (a view into a flat buffer, a DDP bucket view) does not take every tensor
+    off the vector path. Empty groups and empty tensors launch nothing.
 
     ``lists``: the tensor lists (``None`` allowed) of tensors with ``numels`` elements. The base
-    of a list (``bases``: its index, -1 if none) is its first tensor with an address. Cached on
-    the addresses, sizes, element sizes, block offsets and block size."""
+    of a list in a group (``bases``: its index, -1 if none) is the group's first tensor with an
+    address. Cached on the addresses, sizes, element sizes, block offsets and block size."""
     addresses = tuple(tuple(0 if t is None else t.data_ptr() for t in ts) for ts in lists)
     elsizes = tuple(next((t.element_size() for t in ts if t is not None), 4) for ts in lists)
     key = (kind, device, block, addresses, elsizes, numels, offsets)
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
-    base_index = tuple(next((i for i, a in enumerate(col) if a), -1) for col in addresses)
-    bases = [col[i] if i >= 0 else 0 for col, i in zip(addresses, base_index)]
-    rows, counts, first = [], [], 0
-    for i, (numel, off) in enumerate(zip(numels, offsets)):
-        row = []
-        for col, base, size in zip(addresses, bases, elsizes):
-            if col[i] == 0:
-                row += [0, 0]
-                continue
-            if (col[i] - base) % size:
-                raise ValueError(f"{kind}: tensor {i} is not aligned to its element size")
-            row += [(col[i] - base) // size, 1]
-        chunks = triton.cdiv(numel, block)
-        rows.append(row + [numel, off, first])
-        counts.append(chunks)
-        first += chunks
-    meta = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)
-    prog = torch.repeat_interleave(
-        torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
-    )
-    aligned = all(a % _ALIGN == 0 for col in addresses for a in col)
-    entry = (meta.to(device), prog.to(device), first, aligned, base_index)
+    groups = {True: [], False: []}
+    for i in range(len(numels)):
+        if numels[i] > 0:
+            groups[all(col[i] % _ALIGN == 0 for col in addresses)].append(i)
+    launches = []
+    for aligned, members in groups.items():
+        if not members:
+            continue
+        base_index = tuple(next((i for i in members if col[i]), -1) for col in addresses)
+        bases = [col[i] if i >= 0 else 0 for col, i in zip(addresses, base_index)]
+        rows, counts, first = [], [], 0
+        for i in members:
+            row = []
+            for col, base, size in zip(addresses, bases, elsizes):
+                if col[i] == 0:
+                    row += [0, 0]
+                    continue
+                if (col[i] - base) % size:
+                    raise ValueError(f"{kind}: tensor {i} is not aligned to its element size")
+                row += [(col[i] - base) // size, 1]
+            chunks = triton.cdiv(numels[i], block)
+            rows.append(row + [numels[i], offsets[i], first])
+            counts.append(chunks)
+            first += chunks
+        meta = torch.tensor(rows, dtype=torch.int64).view(len(rows), -1)
+        prog = torch.repeat_interleave(
+            torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
+        )
+        launches.append((meta.to(device), prog.to(device), first, aligned, base_index))
     if len(_TABLES) >= _MAX_CACHED_TABLES:
         _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = entry
-    return entry
+    _TABLES[key] = launches
+    return launches
 
 
 def _on(device):
@@ -526,8 +554,8 @@ def _check_offsets(offsets, count):
         raise ValueError(f"offsets has {len(offsets)} entries for {count} tensors")
 
 
-def local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
-    """c = b1*m + (1-b1)*g; m = b2*m + (1-b2)*g; votes[...] = packed vote(c). ``None`` g = 0."""
+def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
+    """c = b1*m + (1-b1)*g; votes[...] = packed vote(c). m is read only. ``None`` g = 0."""
     if len(grads) != len(exp_avgs):
         raise ValueError(f"grads ({len(grads)}) and exp_avgs ({len(exp_avgs)}) differ in length")
     _check_offsets(offsets, len(exp_avgs))
@@ -546,32 +574,28 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, beta2, ternary):
     _check_words("votes", votes, device, needed)
 
     block = _chunk_block(numels)
-    meta, prog, programs, aligned, (g_i, m_i) = _tables(
+    for meta, prog, programs, aligned, (g_i, m_i) in _tables(
         "local_step", device, (grads, exp_avgs), numels, offsets, block
-    )
-    if programs == 0:
-        return
-    g_base = grads[g_i] if g_i >= 0 else exp_avgs[m_i]  # all None: any typed pointer will do
-    with _on(device):
-        _local_step_kernel[(programs,)](
-            meta,
-            prog,
-            g_base,
-            exp_avgs[m_i],
-            votes,
-            float(beta1),
-            float(1.0 - beta1),
-            float(beta2),
-            float(1.0 - beta2),
-            TERNARY=bool(ternary),
-            # 4 elements a vector for both, so g (even bf16/fp16) and m share one register layout
-            G_ALIGN=4 if aligned else 1,
-            M_ALIGN=4 if aligned else 1,
-            BLOCK=block,
-            SOFT_BF16=_INTERPRETED and g_base.dtype == torch.bfloat16,
-            num_warps=8,
-            **_LAUNCH_OPTIONS,
-        )
+    ):
+        g_base = grads[g_i] if g_i >= 0 else exp_avgs[m_i]  # all None: any typed pointer will do
+        with _on(device):
+            _local_step_kernel[(programs,)](
+                meta,
+                prog,
+                g_base,
+                exp_avgs[m_i],
+                votes,
+                float(beta1),
+                float(1.0 - beta1),
+                TERNARY=bool(ternary),
+                # 4 elements a vector for both, so g (even bf16/fp16) and m share one layout
+                G_ALIGN=4 if aligned else 1,
+                M_ALIGN=4 if aligned else 1,
+                BLOCK=block,
+                SOFT_BF16=_INTERPRETED and g_base.dtype == torch.bfloat16,
+                num_warps=8,
+                **_LAUNCH_OPTIONS,
+            )
 
 
 def tally(stacked, out, n, mode, ternary, step):
@@ -621,16 +645,37 @@ def tally(stacked, out, n, mode, ternary, step):
         )
 
 
-def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
-    """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype."""
+def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
+          skip=None):
+    """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype;
+    m = b2*m + (1-b2)*g (fp32). Nothing when ``skip`` (int32 [1] on the device) is non-zero,
+    read by the kernel."""
     if mode not in ("vote", "average"):
         raise ValueError(f"mode must be 'vote' or 'average', got {mode!r}")
+    if not len(params) == len(grads) == len(exp_avgs):
+        raise ValueError(
+            f"params ({len(params)}), grads ({len(grads)}) and exp_avgs ({len(exp_avgs)}) differ "
+            "in length"
+        )
     _check_offsets(offsets, len(params))
     if not params:
         return
     n = int(n)
     device = params[0].device
     x_dtype = _check_float_list("params", params, tuple(_TL_DTYPES), device)
+    g_dtype = _check_float_list("grads", grads, tuple(_TL_DTYPES), device) or x_dtype
+    if g_dtype not in (x_dtype, torch.float32):
+        raise TypeError(f"grads must have the parameters' dtype ({x_dtype}) or float32, got "
+                        f"{g_dtype}")
+    _check_float_list("exp_avgs", exp_avgs, (torch.float32,), device)
+    for i, (x, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        for what, t in (("grads", g), ("exp_avgs", m)):
+            if t is not None and t.numel() != x.numel():
+                raise ValueError(f"{what}[{i}] has {t.numel()} elements, params[{i}] {x.numel()}")
+    if skip is not None and (skip.dtype != torch.int32 or skip.numel() < 1
+                             or skip.device != device):
+        raise TypeError(f"skip must be an int32 tensor of 1 element on {device}, got "
+                        f"{skip.dtype} of {skip.numel()} on {skip.device}")
     planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
     numels = tuple(x.numel() for x in params)
     offsets = tuple(int(o) for o in offsets)
@@ -638,31 +683,39 @@ def apply(params, aggregate, offsets, lr, weight_decay, n, mode, ternary):
     _check_words("aggregate", aggregate, device, needed)
 
     block = _chunk_block(numels)
-    meta, prog, programs, aligned, (x_i,) = _tables(
-        "apply", device, (params,), numels, offsets, block
-    )
-    if programs == 0:
-        return
-    x_base = params[x_i]
-    with _on(device):
-        _apply_kernel[(programs,)](
-            meta,
-            prog,
-            x_base,
-            aggregate,
-            float(lr),
-            float(weight_decay),
-            n,
-            float(n),
-            MODE_AVG=mode == "average",
-            TERNARY=bool(ternary),
-            P=planes,
-            X_ALIGN=_ALIGN // x_base.element_size() if aligned else 1,
-            BLOCK=block,
-            SOFT_BF16=_INTERPRETED and x_dtype == torch.bfloat16,
-            num_warps=8,
-            **_LAUNCH_OPTIONS,
-        )
+    for meta, prog, programs, aligned, (x_i, g_i, m_i) in _tables(
+        "apply", device, (params, grads, exp_avgs), numels, offsets, block
+    ):
+        x_base, m_base = params[x_i], exp_avgs[m_i]
+        g_base = grads[g_i] if g_i >= 0 else m_base  # all None: any typed pointer will do
+        with _on(device):
+            _apply_kernel[(programs,)](
+                meta,
+                prog,
+                x_base,
+                g_base,
+                m_base,
+                aggregate,
+                skip if skip is not None else aggregate,
+                float(lr),
+                float(weight_decay),
+                float(beta2),
+                float(1.0 - beta2),
+                n,
+                float(n),
+                MODE_AVG=mode == "average",
+                TERNARY=bool(ternary),
+                P=planes,
+                X_ALIGN=_ALIGN // x_base.element_size() if aligned else 1,
+                G_ALIGN=_ALIGN // g_base.element_size() if aligned else 1,
+                M_ALIGN=4 if aligned else 1,
+                HAS_SKIP=skip is not None,
+                BLOCK=block,
+                SOFT_BF16_X=_INTERPRETED and x_dtype == torch.bfloat16,
+                SOFT_BF16_G=_INTERPRETED and g_base.dtype == torch.bfloat16,
+                num_warps=8,
+                **_LAUNCH_OPTIONS,
+            )
 
 
 __all__ = ["apply", "local_step", "nonfinite", "tally"]

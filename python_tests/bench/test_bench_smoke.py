@@ -71,8 +71,8 @@ def test_run_all_smoke(tmp_path):
                  for b in bench["benchmarks"]}
         assert {stage for _, stage in infos} == {"local_step", "tally_n8", "apply_vote",
                                                  "fused_dlion_step", "copy"}
-        bytes_per_elt = {"local_step": 12.125, "tally_n8": 1.125, "apply_vote": 8.125,
-                         "fused_dlion_step": 20.5, "copy": 8.0}
+        bytes_per_elt = {"local_step": 8.125, "tally_n8": 1.125, "apply_vote": 20.125,
+                         "fused_dlion_step": 28.5, "copy": 8.0}
         for (_, stage), info in infos.items():
             assert info["bytes_per_elt"] == bytes_per_elt[stage]
             assert info["bytes"] == info["bytes_per_elt"] * info["numel"] and info["gbps"] > 0

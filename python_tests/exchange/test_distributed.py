@@ -58,12 +58,17 @@ def simulate(n, mode, votes, dtype):
     offsets, total = block_offsets(p.numel() for p in params)
     for step in range(STEPS):
         stacked = torch.zeros(n, total * vote_planes(votes), dtype=torch.int32)
+        grads = [_grads(r, step, dtype) for r in range(n)]
         for r in range(n):
-            reference.local_step(_grads(r, step, dtype), moms[r], stacked[r], offsets, *BETAS,
-                                 ternary)
+            reference.local_step(grads[r], moms[r], stacked[r], offsets, BETAS[0], ternary)
         aggregate = torch.empty(total * aggregate_planes(mode, votes, n), dtype=torch.int32)
         reference.tally(stacked, aggregate, n, mode, ternary, step)
-        reference.apply(params, aggregate, offsets, LR, WD, n, mode, ternary)
+        updated = []
+        for r in range(n):  # every rank applies the same x update and its own momentum update
+            updated = [p.clone() for p in params]
+            reference.apply(updated, grads[r], moms[r], aggregate, offsets, LR, WD, BETAS[1], n,
+                            mode, ternary)
+        params = updated
     return params, moms
 
 

@@ -44,18 +44,17 @@ def test_local_step(backend, votes, dtype, case):
     offsets, total = block_offsets(sizes)
     planes = vote_planes(votes)
 
-    ref_m = [m.clone() for m in moms]
     ref_v = torch.full((total * planes,), -1, dtype=torch.int32)
-    reference.local_step(grads, ref_m, ref_v, offsets, 0.9, 0.99, votes == "ternary")
+    reference.local_step(grads, moms, ref_v, offsets, 0.9, votes == "ternary")
 
     m_dev = [m.to(device) for m in moms]
     g_dev = [None if g is None else g.to(device) for g in grads]
     v_dev = torch.full((total * planes,), -1, dtype=torch.int32, device=device)
-    backends.get(backend).local_step(g_dev, m_dev, v_dev, offsets, 0.9, 0.99, votes == "ternary")
+    backends.get(backend).local_step(g_dev, m_dev, v_dev, offsets, 0.9, votes == "ternary")
 
     assert torch.equal(v_dev.cpu(), ref_v), "votes differ from the reference"
-    for a, e in zip(m_dev, ref_m):
-        assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+    for a, e in zip(m_dev, moms):
+        assert torch.equal(a.cpu(), e), "the local step must not write the momentum (v2)"
 
 
 def _random_votes(n, blocks, votes, gen):
@@ -121,19 +120,52 @@ def _random_aggregate(sizes, mode, votes, n, gen):
 @pytest.mark.parametrize("case", ["1", "33", "4097", "1e6", "mixed"])
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_apply(backend, votes, mode, dtype, case, n):
+    """x and m (kernel stages v2) against the reference; None gradients; with bf16/fp16
+    parameters the gradients are fp32 for n = 3 (e.g. node means) and of the parameters' dtype
+    otherwise."""
     sizes = SIZES[case]
     device = backend_device(backend)
     gen = torch.Generator().manual_seed(hash((case, mode, votes, n)) % 2**31)
     offsets, _ = block_offsets(sizes)
     aggregate = _random_aggregate(sizes, mode, votes, n, gen)
     params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
-    expected = [p.clone() for p in params]
-    reference.apply(expected, aggregate, offsets, 3e-3, 0.1, n, mode, votes == "ternary")
-    actual = [p.to(device) for p in params]
-    backends.get(backend).apply(actual, aggregate.to(device), offsets, 3e-3, 0.1, n, mode,
-                                votes == "ternary")
+    g_dtype = torch.float32 if n == 3 else dtype
+    grads = _grads(sizes, g_dtype, "cpu", gen, {1, 5} if len(sizes) > 2 else set())
+    moms = [torch.randn(s, generator=gen) for s in sizes]
+    expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+    reference.apply(expected, grads, ref_m, aggregate, offsets, 3e-3, 0.1, 0.99, n, mode,
+                    votes == "ternary")
+    actual, dev_m = [p.to(device) for p in params], [m.to(device) for m in moms]
+    g_dev = [None if g is None else g.to(device) for g in grads]
+    backends.get(backend).apply(actual, g_dev, dev_m, aggregate.to(device), offsets, 3e-3, 0.1,
+                                0.99, n, mode, votes == "ternary")
     for a, e in zip(actual, expected):
         assert_close_storage(a, e)
+    for a, e in zip(dev_m, ref_m):
+        assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+
+
+@pytest.mark.parametrize("backend", ["torch", *fast_backends()])
+def test_apply_skip_flag(backend):
+    """A non-zero skip flag (int32 [1] on the device) leaves x and m untouched; zero applies."""
+    device = backend_device(backend) if backend != "torch" else torch.device("cpu")
+    gen = torch.Generator().manual_seed(5)
+    sizes = SIZES["mixed"]
+    offsets, _ = block_offsets(sizes)
+    aggregate = _random_aggregate(sizes, "vote", "binary", 1, gen).to(device)
+    params = [torch.randn(s, generator=gen).to(device) for s in sizes]
+    grads = [torch.randn(s, generator=gen).to(device) for s in sizes]
+    moms = [torch.randn(s, generator=gen).to(device) for s in sizes]
+    kernels = backends.get(backend)
+    x, m = [p.clone() for p in params], [t.clone() for t in moms]
+    skip = torch.ones(1, dtype=torch.int32, device=device)
+    kernels.apply(x, grads, m, aggregate, offsets, 0.1, 0.1, 0.9, 1, "vote", False, skip)
+    assert all(torch.equal(a, b) for a, b in zip(x + m, params + moms))
+    kernels.apply(x, grads, m, aggregate, offsets, 0.1, 0.1, 0.9, 1, "vote", False, skip - 1)
+    ex, em = [p.clone().cpu() for p in params], [t.clone().cpu() for t in moms]
+    reference.apply(ex, [g.cpu() for g in grads], em, aggregate.cpu(), offsets, 0.1, 0.1, 0.9, 1,
+                    "vote", False)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(x + m, ex + em))
 
 
 @pytest.mark.parametrize("backend", fast_backends())
@@ -180,18 +212,21 @@ def test_every_half_precision_value(backend, dtype):
     for lr, wd in ((0.0, 0.0), (0.3, 0.7), (1.0, 0.0), (2.0**-20, 3.0)):
         gen = torch.Generator().manual_seed(int(lr * 1000))
         aggregate = _random_votes(1, total, "binary", gen)[0]
-        expected = [values.clone()]
-        reference.apply(expected, aggregate, offsets, lr, wd, 1, "vote", False)
-        actual = [values.clone().to(device)]
-        kernels.apply(actual, aggregate.to(device), offsets, lr, wd, 1, "vote", False)
+        moms = torch.randn(values.numel(), generator=gen)
+        expected, ref_m = [values.clone()], [moms.clone()]
+        reference.apply(expected, [values], ref_m, aggregate, offsets, lr, wd, 0.99, 1, "vote",
+                        False)
+        actual, dev_m = [values.clone().to(device)], [moms.to(device)]
+        kernels.apply(actual, [values.to(device)], dev_m, aggregate.to(device), offsets, lr, wd,
+                      0.99, 1, "vote", False)
         _same_values(actual[0], expected[0])
+        _same_values(dev_m[0], ref_m[0])
     moms = torch.randn(values.numel(), generator=torch.Generator().manual_seed(3))
-    ref_m, ref_v = [moms.clone()], torch.zeros(total, dtype=torch.int32)
-    reference.local_step([values], ref_m, ref_v, offsets, 0.9, 0.99, False)
-    dev_m, dev_v = [moms.to(device)], torch.zeros(total, dtype=torch.int32, device=device)
-    kernels.local_step([values.to(device)], dev_m, dev_v, offsets, 0.9, 0.99, False)
+    ref_v = torch.zeros(total, dtype=torch.int32)
+    reference.local_step([values], [moms], ref_v, offsets, 0.9, False)
+    dev_v = torch.zeros(total, dtype=torch.int32, device=device)
+    kernels.local_step([values.to(device)], [moms.to(device)], dev_v, offsets, 0.9, False)
     assert torch.equal(dev_v.cpu(), ref_v)
-    _same_values(dev_m[0], ref_m[0])
 
 
 def test_num_blocks_and_offsets():

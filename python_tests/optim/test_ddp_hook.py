@@ -1,5 +1,6 @@
 """register_ddp_comm_hook with DDP options the other tests do not use (static_graph,
-gradient_as_bucket_view) and under Hugging Face Trainer, on 2 real gloo processes."""
+gradient_as_bucket_view), under Hugging Face Trainer and under Accelerate, on 2 real gloo
+processes."""
 
 import os
 import socket
@@ -79,9 +80,29 @@ def _trainer_run(rank, n, port):
     return [p.detach().clone() for p in model.parameters()], seen, d
 
 
+def _accelerate_run(rank):
+    """Accelerate's prepare() wraps the model in DDP; the hook replaces DDP's all-reduce."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    net = _mlp()
+    opt = dk.DistributedLion(net.parameters(), lr=1e-2, weight_decay=0.1, backend="cpu")
+    ddp, aopt = accelerator.prepare(net, opt)
+    assert isinstance(ddp, DDP)
+    dk.register_ddp_comm_hook(ddp, opt)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        aopt.zero_grad()
+        accelerator.backward(ddp(torch.randn(5, 8, generator=gen)).square().mean())
+        aopt.step()
+    return [p.detach().clone() for p in net.parameters()], [
+        opt.state[p]["exp_avg"].clone() for p in net.parameters()]
+
+
 def _worker(rank, n, port):
-    return _ddp_options_run(rank, False), _ddp_options_run(rank, True), _trainer_run(rank, n,
-                                                                                      port)
+    plain, hooked = _ddp_options_run(rank, False), _ddp_options_run(rank, True)
+    trainer = _trainer_run(rank, n, port)
+    return plain, hooked, trainer, _accelerate_run(rank)
 
 
 def _free_port():
@@ -92,12 +113,15 @@ def _free_port():
 
 def test_ddp_options_and_hugging_face_trainer():
     pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
     n = 2
     ranks = run_workers(n, _worker, _free_port())
-    for plain, hooked, _ in ranks:
-        # static_graph + gradient_as_bucket_view: the same parameters and momenta bit for bit
-        for a, b in zip(plain[0] + plain[1], hooked[0] + hooked[1]):
-            assert torch.equal(a, b)
+    for plain, hooked, _, accelerated in ranks:
+        # static_graph + gradient_as_bucket_view, and Accelerate's DDP: the same parameters and
+        # momenta as the bare model, bit for bit
+        for a, b, c in zip(plain[0] + plain[1], hooked[0] + hooked[1],
+                           accelerated[0] + accelerated[1]):
+            assert torch.equal(a, b) and torch.equal(a, c)
     for a, b in zip(ranks[0][0][0], ranks[1][0][0]):
         assert torch.equal(a, b)
 
