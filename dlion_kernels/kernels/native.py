@@ -10,9 +10,9 @@ results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounde
 
 Each stage is one kernel call for the whole list of tensors. The tensors reach the kernels through
 a *tensor table* (``csrc/common.h``): an int64 tensor of 6 rows (pointer a, pointer b, numel,
-block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device. Tables are
-cached on their content, so a steady-state optimizer step (same tensors, same offsets) builds and
-uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
+block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device.
+Tables are cached on their content, so a steady-state optimizer step (same tensors, same offsets)
+builds and uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
 one device; this module checks what memory safety needs when it builds a table.
 
 The module imports without ``_C``: ``problem(name)`` says why a backend cannot run, and
@@ -283,7 +283,9 @@ class _NativeBackend:
             ):
                 for what, t in (("grads", g), ("exp_avgs", m)):
                     if t is not None and t.numel() != numel:
-                        raise ValueError(f"{what}[{i}] has {t.numel()} elements, params[{i}] {numel}")
+                        raise ValueError(
+                            f"{what}[{i}] has {t.numel()} elements, params[{i}] {numel}"
+                        )
                 if numel == 0:
                     continue
                 end_block = max(end_block, off + num_blocks(numel))
@@ -335,7 +337,8 @@ class _NativeBackend:
             raise ValueError(f"votes is on {votes.device}, exp_avgs on {exp_avgs[0].device}")
         if self.cuda:
             self._C.cuda_local_step(
-                self._in_use(table), table.count, table.chunks, code, votes.data_ptr(), *args, *device
+                self._in_use(table), table.count, table.chunks, code, votes.data_ptr(), *args,
+                *device,
             )
         else:
             self._C.cpu_local_step(
@@ -400,7 +403,8 @@ class _NativeBackend:
         if self.cuda:
             skip_address = 0 if skip is None else skip.data_ptr()
             self._C.cuda_apply(
-                self._in_use(table), table.count, table.chunks, p_code, g_code, aggregate.data_ptr(),
+                self._in_use(table), table.count, table.chunks, p_code, g_code,
+                aggregate.data_ptr(),
                 *args, skip_address, *device,
             )
         else:

@@ -99,7 +99,8 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([_ptxas(arch), f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}",
+        flag = f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}"
+        proc = subprocess.run([_ptxas(arch), flag,
                                "-v", src, "-o", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True)
     text = proc.stdout + proc.stderr
