@@ -29,6 +29,7 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 constexpr int kBlock = 32;        // elements per packed int32 word
 constexpr int kMaxCountPlanes = 16;  // counters of up to 16 bit planes: n <= 32767 (ternary)
+constexpr int64_t kMaxVoters = 32767;  // n limit of every backend (layout.py MAX_VOTERS)
 
 // Bits needed to hold the value v >= 0 (Python's int.bit_length()).
 inline int bit_length(int64_t v) {

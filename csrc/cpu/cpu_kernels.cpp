@@ -651,7 +651,7 @@ bool nonfinite_typed(const int64_t* table, int64_t n_tensors, int threads) {
 }
 
 void check_n(int64_t n) {
-  if (n < 1 || n > 32767)
+  if (n < 1 || n > kMaxVoters)
     throw std::invalid_argument("dlion_kernels: n (the number of vote vectors) must be in "
                                 "[1, 32767], got " + std::to_string(n));
 }

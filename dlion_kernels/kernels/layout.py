@@ -29,6 +29,9 @@ from __future__ import annotations
 import math
 
 BLOCK = 32  # elements per packed int32 word
+# The most vote vectors one tally counts, on every backend (16-bit-plane counters of the ternary
+# biased count q <= 2n; csrc/common.h kMaxVoters). Above it the stages raise ValueError.
+MAX_VOTERS = 32767
 
 
 def num_blocks(numel: int) -> int:

@@ -10,9 +10,9 @@ results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounde
 
 Each stage is one kernel call for the whole list of tensors. The tensors reach the kernels through
 a *tensor table* (``csrc/common.h``): an int64 tensor of 6 rows (pointer a, pointer b, numel,
-block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device. Tables are
-cached on their content, so a steady-state optimizer step (same tensors, same offsets) builds and
-uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
+block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device.
+Tables are cached on their content, so a steady-state optimizer step (same tensors, same offsets)
+builds and uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
 one device; this module checks what memory safety needs when it builds a table.
 
 The module imports without ``_C``: ``problem(name)`` says why a backend cannot run, and
@@ -77,6 +77,9 @@ def problem(name: str) -> str | None:
         )
     if not torch.cuda.is_available():
         return "no CUDA device is visible to torch"
+    arch = arch_problem(torch.cuda.get_device_capability(), compiled_archs(C.build_info()))
+    if arch:
+        return arch
     if _cuda_runtime_problem is None:
         _cuda_runtime_problem = C.cuda_runtime_problem()
     if _cuda_runtime_problem:
@@ -85,6 +88,35 @@ def problem(name: str) -> str | None:
             "update the NVIDIA driver, or rebuild with an nvcc that this driver supports"
         )
     return None
+
+
+def compiled_archs(info: str) -> list[int]:
+    """The CUDA architectures the module was built for (e.g. [80, 90]), from its build info."""
+    import re
+
+    found = re.search(r"archs ([0-9;a-z-]+)", info)
+    if not found:
+        return []
+    return [int(re.match(r"\d+", a).group()) for a in found.group(1).split(";") if a[:1].isdigit()]
+
+
+def arch_problem(capability: tuple[int, int], archs: list[int]) -> str | None:
+    """None if a device of compute ``capability`` (major, minor) can run a module built for
+    ``archs`` (SASS + PTX for each, CMakeLists.txt), else why not. SASS of sm_XY runs on X.Y and
+    later minors of X; the PTX of the oldest arch is compiled by the driver for anything newer;
+    nothing runs on an older device (e.g. a V100, 7.0, or a T4, 7.5, with sm_80;90)."""
+    major, minor = capability
+    device = 10 * major + minor
+    if not archs:
+        return None  # unknown build: let the launch tell
+    if device >= min(archs):
+        return None
+    built = ", ".join(f"sm_{a}" for a in archs)
+    return (
+        f"the native module has CUDA kernels for {built} only and this device is sm_{device} "
+        f"(compute capability {major}.{minor}); the 'triton' backend runs there, or rebuild with "
+        f"DLION_CUDA_ARCHS={device} and DLION_BUILD_CUDA=1"
+    )
 
 
 _backends: dict = {}
@@ -160,6 +192,15 @@ class _NativeBackend:
         if t.device.type != "cpu":
             raise ValueError(f"the 'cpu' backend needs CPU tensors, got {t.device}")
         return None
+
+    def _in_use(self, table: "_Table") -> int:
+        """The table's address for a launch on the current stream. A cached table is shared by
+        launches on any stream (overlap runs stages on side streams), and may be evicted from the
+        cache while a launch that reads it is still queued: record_stream makes the caching
+        allocator keep its memory until the work queued so far on this stream has completed."""
+        if self.cuda:
+            table.tensor.record_stream(torch.cuda.current_stream(table.tensor.device))
+        return table.address
 
     def _cached(self, key):
         table = self._tables.get(key)
@@ -242,7 +283,9 @@ class _NativeBackend:
             ):
                 for what, t in (("grads", g), ("exp_avgs", m)):
                     if t is not None and t.numel() != numel:
-                        raise ValueError(f"{what}[{i}] has {t.numel()} elements, params[{i}] {numel}")
+                        raise ValueError(
+                            f"{what}[{i}] has {t.numel()} elements, params[{i}] {numel}"
+                        )
                 if numel == 0:
                     continue
                 end_block = max(end_block, off + num_blocks(numel))
@@ -294,7 +337,8 @@ class _NativeBackend:
             raise ValueError(f"votes is on {votes.device}, exp_avgs on {exp_avgs[0].device}")
         if self.cuda:
             self._C.cuda_local_step(
-                table.address, table.count, table.chunks, code, votes.data_ptr(), *args, *device
+                self._in_use(table), table.count, table.chunks, code, votes.data_ptr(), *args,
+                *device,
             )
         else:
             self._C.cpu_local_step(
@@ -359,7 +403,8 @@ class _NativeBackend:
         if self.cuda:
             skip_address = 0 if skip is None else skip.data_ptr()
             self._C.cuda_apply(
-                table.address, table.count, table.chunks, p_code, g_code, aggregate.data_ptr(),
+                self._in_use(table), table.count, table.chunks, p_code, g_code,
+                aggregate.data_ptr(),
                 *args, skip_address, *device,
             )
         else:

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
+from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
 from .reference import nonfinite
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,7 +56,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _LAUNCH_OPTIONS = {} if _INTERPRETED else {"enable_fp_fusion": False}
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_MAX_COUNTER_PLANES = 16  # tally: binary n <= 65535, ternary n <= 32767
+_MAX_COUNTER_PLANES = 16  # tally counters; n <= layout.MAX_VOTERS (32767) for every backend
 _ALIGN = 16  # bytes; when all addresses are multiples of this, the kernels are told so (vectors)
 
 
@@ -517,6 +517,16 @@ def _tables(kind, device, lists, numels, offsets, block):
     return launches
 
 
+def _in_use(*tables):
+    """The cached tables of a launch on the current stream: a cached table may be evicted while
+    a launch on another stream still reads it, so the caching allocator is told (record_stream)
+    to keep its memory until the work queued so far on this stream has completed."""
+    for t in tables:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+    return tables
+
+
 def _on(device):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -578,6 +588,7 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
         "local_step", device, (grads, exp_avgs), numels, offsets, block
     ):
         g_base = grads[g_i] if g_i >= 0 else exp_avgs[m_i]  # all None: any typed pointer will do
+        meta, prog = _in_use(meta, prog)
         with _on(device):
             _local_step_kernel[(programs,)](
                 meta,
@@ -607,12 +618,10 @@ def tally(stacked, out, n, mode, ternary, step):
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
+    if n > MAX_VOTERS:
+        raise ValueError(f"n must be at most {MAX_VOTERS} (the vote vectors one tally counts), "
+                         f"got {n}")
     counter_planes = (2 * n).bit_length() if ternary else n.bit_length()
-    if counter_planes > _MAX_COUNTER_PLANES:
-        raise ValueError(
-            f"n = {n} is too large for the triton tally (at most "
-            f"{2**_MAX_COUNTER_PLANES - 1 >> (1 if ternary else 0)})"
-        )
     if stacked.dtype != torch.int32 or not stacked.is_contiguous():
         raise TypeError(f"stacked must be a contiguous int32 tensor, got {stacked.dtype}")
     stacked = stacked.reshape(n, -1)
@@ -688,6 +697,7 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     ):
         x_base, m_base = params[x_i], exp_avgs[m_i]
         g_base = grads[g_i] if g_i >= 0 else m_base  # all None: any typed pointer will do
+        meta, prog = _in_use(meta, prog)
         with _on(device):
             _apply_kernel[(programs,)](
                 meta,
