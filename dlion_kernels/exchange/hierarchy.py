@@ -404,14 +404,11 @@ def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
         for part in by_dtype(rows):
             params, offs = zip(*part)
             work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            if stages.v2:  # v2's apply also updates a momentum: a throwaway one, beta2 = 1
-                scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                           for w in work]
-                stages.k.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
-                               s.weight_decay, 1.0, n, mode, ternary, skip=None)
-            else:
-                stages.k.apply(work, aggregate, list(offs), s.lr, s.weight_decay, n, mode,
-                               ternary)
+            # apply also updates a momentum (kernel stages v2): here a throwaway one, beta2 = 1;
+            # the rank's real momentum is only its shard, updated above
+            scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in work]
+            stages.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
+                         s.weight_decay, 1.0, n, mode, ternary, skip=None)
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)

@@ -242,10 +242,13 @@ class _BucketWork:
         rows = [r for r in self.rows if r.param.numel() > 0]
         for seg_rows in _by_segment(rows):
             s = seg_rows[0].segment
+            # one launch per (parameter dtype, gradient dtype); None gradients ride along
             for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
-                p, g, m, off = zip(*part)
-                ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
-                                s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary, skip=skip)
+                for sub in by_dtype([(g, p, m, off) for p, g, m, off in part]):
+                    g, p, m, off = zip(*sub)
+                    ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
+                                    s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary,
+                                    skip=skip)
 
 
 def _by_segment(rows):
