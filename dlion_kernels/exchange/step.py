@@ -25,6 +25,7 @@ from .checks import (
     check_options,
     check_tensors,
 )
+from .collectives import collective
 
 _WORD_BYTES = 4
 _auto_step = itertools.count()
@@ -94,7 +95,7 @@ def _check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
 
 
-def _any_nonfinite(kernels, grads, device, group, n) -> tuple[bool, int]:
+def _any_nonfinite(kernels, grads, device, group, n, step) -> tuple[bool, int]:
     """Whether any rank has an inf/NaN gradient, and the bytes this rank sent to find out."""
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     for part in _by_dtype([(g,) for g in grads if g is not None and g.numel() > 0]):
@@ -102,7 +103,8 @@ def _any_nonfinite(kernels, grads, device, group, n) -> tuple[bool, int]:
     if n == 1:
         return bool(flag.item()), 0
     flags = torch.empty(n, dtype=torch.int32, device=device)
-    _all_gather(flags, flag, group)  # every rank takes the same decision
+    # every rank takes the same decision
+    collective("all_gather(non-finite flags)", step, _all_gather, flags, flag, group)
     return bool(flags.any().item()), (n - 1) * _WORD_BYTES
 
 
@@ -155,7 +157,7 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         work.append((s, rows))
 
     grads = [g for _, rows in work for _, g, _, _ in rows]
-    nonfinite_found, flag_bytes = _any_nonfinite(kernels, grads, device, group, n)
+    nonfinite_found, flag_bytes = _any_nonfinite(kernels, grads, device, group, n, step)
     if nonfinite_found:
         if nonfinite == "raise":
             raise NonFiniteGradientError(
@@ -179,12 +181,15 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite) -> StepS
         sent = 0
     else:
         received = torch.empty(n, shard * p_in, dtype=torch.int32, device=device)
-        dist.all_to_all_single(received.view(-1), votes_buf, group=group)
+        collective("all_to_all_single(votes)", step, dist.all_to_all_single, received.view(-1),
+                   votes_buf, group=group)
         owned = torch.empty(shard * p_out, dtype=torch.int32, device=device)
         kernels.tally(received, owned, n, mode, ternary, step)
-        _all_gather(aggregate, owned, group)
+        collective("all_gather(aggregate)", step, _all_gather, aggregate, owned, group)
         sent = flag_bytes + (n - 1) * shard * (p_in + p_out) * _WORD_BYTES
 
+    # Apply only now, after the last collective returned: a peer that dies or stalls during the
+    # exchange raises DistributedStepError above with every parameter still untouched.
     for s, rows in work:
         for part in _by_dtype([(p, off) for p, _, _, off in rows]):
             p, off = zip(*part)

@@ -52,6 +52,10 @@ class DistributedLion(torch.optim.Optimizer):
         params = self.param_groups[-1]["params"]
         try:
             check_params(params)
+            # Found by fuzzing: a group's own bad lr/betas was accepted here and only failed at
+            # step(); refuse it where it is given, as for the defaults.
+            g = self.param_groups[-1]
+            check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
