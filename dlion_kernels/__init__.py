@@ -6,10 +6,14 @@ Floors (each imports only from the floors below it):
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
 - ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
 - ``decentralized``  seed 2's gossip training (``DecentralizedDataParallel``, topologies)
+- ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
+- ``plan``      the runtime model that predicts each strategy's step time
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
+from .checkpoint import CheckpointError, load_state, save_state
 from .decentralized.wrapper import DecentralizedDataParallel
+from .exchange.collectives import DistributedStepError
 from .exchange.copying import DetachedGroup
 from .exchange.header import StepMismatchError
 from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
@@ -22,15 +26,19 @@ __all__ = [
     "AccumAdamW",
     "AccumLion",
     "BackendUnavailable",
-    "DetachedGroup",
+    "CheckpointError",
     "DecentralizedDataParallel",
+    "DetachedGroup",
     "DistributedLion",
+    "DistributedStepError",
     "NonFiniteGradientError",
     "StepMismatchError",
     "StepStats",
     "available_backends",
     "fused_dlion_step",
+    "load_state",
     "register_ddp_comm_hook",
+    "save_state",
 ]
 __version__ = "0.1.0"
 

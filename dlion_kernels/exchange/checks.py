@@ -68,6 +68,10 @@ def check_params(params) -> torch.device | None:
     device = None
     for i, p in enumerate(params):
         _check_tensor("params", i, p, None, DTYPES)
+        # Found by fuzzing: meta (or other) tensors reached a backend and failed there with a
+        # misleading message (meta tensors all have data_ptr 0, so they "aliased").
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"params[{i}] is on device {p.device}; allowed: cpu, cuda")
         if device is None:
             device = p.device
         elif p.device != device:
@@ -93,6 +97,44 @@ def check_tensors(params, grads, exp_avgs) -> torch.device | None:
         if g is not None:
             _check_tensor("grads", i, g, p, DTYPES)
         _check_tensor("exp_avgs", i, m, p, (torch.float32,))
-        if m.data_ptr() == p.data_ptr() and p.numel() > 0:
-            raise ValueError(f"exp_avgs[{i}] aliases params[{i}]; momentum needs its own storage")
+    check_no_overlap(params, grads, exp_avgs)
     return device
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first byte, one past the last byte) that ``t`` can touch."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().data_ptr(), start, start + extent * size
+
+
+def check_no_overlap(params, grads, exp_avgs) -> None:
+    """params and exp_avgs are written: none may share memory with any tensor of the three
+    lists, nor hold one element twice (an expanded tensor). Found by fuzzing: the same parameter
+    twice was updated twice; an expanded parameter or momentum failed in the final write-back
+    after the momenta had been written; a gradient aliasing a parameter gave backend-dependent
+    results. Conservative: views whose byte ranges interleave without sharing an element (a[::2]
+    and a[1::2]) are refused too."""
+    spans = []
+    for name, seq in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs)):
+        for i, t in enumerate(seq):
+            if t is None or t.numel() == 0:
+                continue
+            ptr, lo, hi = _span(t)
+            written = name != "grads"
+            if written and (hi - lo) // t.element_size() < t.numel():
+                raise ValueError(f"{name}[{i}] has elements that share memory (an expanded "
+                                 "tensor?); it is written in place: pass a tensor of its own")
+            spans.append((ptr + lo, ptr + hi, written, f"{name}[{i}]"))
+    spans.sort()
+    # Sweep in address order: each span against the written span reaching furthest so far and
+    # the previous span (enough to find some overlapping pair if one exists with a written one).
+    reach, reach_name, reach_written = -1, "", False
+    for lo, hi, written, name in spans:
+        if lo < reach and (written or reach_written):
+            raise ValueError(f"{name} and {reach_name} share memory; parameters and momenta are "
+                             "written in place, so they may alias nothing in params, grads or "
+                             "exp_avgs")
+        if hi > reach:
+            reach, reach_name, reach_written = hi, name, written

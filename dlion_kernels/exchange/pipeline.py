@@ -48,9 +48,13 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import aggregate_planes, shard_blocks, vote_planes
+from .collectives import collective
+from .collectives import wait as wait_work
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
 _WORD_BYTES = 4
+# Names of the two collectives in errors (DistributedStepError) and in the fault tests
+A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -210,14 +214,14 @@ class _BucketWork:
             self.received = self.send
         else:
             self.received = torch.empty_like(self.send)
-            self.a2a = dist.all_to_all_single(self.received.view(-1), self.send.view(-1),
-                                              group=ex.group, async_op=True)
+            self.a2a = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
+                                  self.send.view(-1), group=ex.group, async_op=True)
             ex.sent += (n - 1) * width * _WORD_BYTES
 
     def reduce(self) -> None:
         ex, n = self.ex, self.ex.n
         if self.a2a is not None:
-            self.a2a.wait()  # CUDA: the side stream waits for NCCL, not the host
+            wait_work(self.a2a, ex.step, A2A)  # CUDA: the side stream waits for NCCL, not the host
         self.header = self.received[:, :HEADER_WORDS]
         stacked = self.received[:, HEADER_WORDS:].contiguous()
         if n == 1:
@@ -229,13 +233,14 @@ class _BucketWork:
         ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.step)
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
                                      device=ex.device)
-        self.gather = all_gather(self.aggregate, owned, ex.group, async_op=True)
+        self.gather = collective(GATHER, ex.step, all_gather, self.aggregate, owned, ex.group,
+                                 async_op=True)
         self.owned = owned  # alive until the gather is done
         ex.sent += (n - 1) * self.shard * ex.p_out * _WORD_BYTES
 
     def wait(self) -> None:
         if self.gather is not None:
-            self.gather.wait()
+            wait_work(self.gather, self.ex.step, GATHER)
 
     def apply(self, skip) -> None:
         ex = self.ex

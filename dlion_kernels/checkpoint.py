@@ -1,0 +1,388 @@
+"""Per-rank optimizer checkpoints: ``save_state(opt, directory)`` / ``load_state(opt, directory)``.
+
+D-Lion's momentum differs on every rank (SPEC §1), so saving rank 0's optimizer state the way one
+does with DDP silently gives every rank rank 0's momentum on resume. Here every rank writes its
+own file and rank 0 writes a manifest last:
+
+    directory/
+      rank00000-of-00004.<tag>.pt      torch.save of that rank's state dict
+      ...
+      manifest.json                    format, world size, kind, hierarchy, topology, versions,
+                                       parameter shapes, and per file its name, bytes and sha256
+
+``<tag>`` is new for every save, so a save never overwrites the files the current manifest names:
+a crash mid-save leaves the previous checkpoint (its manifest and files) loadable. Files are
+written to a temporary name, flushed to disk and renamed (``os.replace``); the manifest is written
+the same way by rank 0 once every rank has reported its file, and only then are the previous
+save's files removed. The directory must be visible to every rank (a shared file system, as for
+``torch.distributed.checkpoint``'s ``FileSystemWriter``).
+
+Loading: every rank reads and checks what it needs (manifest, sizes, sha256, that the saved state
+fits the optimizer) without changing anything; the ranks then agree (one all_gather) and either
+all load or all raise ``CheckpointError`` naming the file and what is wrong.
+
+Resizing (the manifest's world size differs from the group's): every new rank takes the MEAN of
+the old ranks' floating-point state (momenta), accumulated in float64 in rank order, so all new
+ranks start with the same momentum; integer and other entries (step counts) are taken from old
+rank 0 and must agree on all old ranks. The mean of the momenta is the momentum of the mean
+gradient, the natural estimate when the data split changes. Resizing a checkpoint saved with a
+hierarchy (sharded momentum) is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import time
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "dlion_kernels.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or loaded; nothing was changed on any rank."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _get_state(obj) -> dict:
+    if hasattr(obj, "optimizer_state_dict"):  # DecentralizedDataParallel
+        return obj.optimizer_state_dict()
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return obj.state_dict()
+    raise TypeError(
+        "save_state/load_state need an optimizer (state_dict/load_state_dict) or an object with "
+        f"optimizer_state_dict/load_optimizer_state_dict, got {type(obj).__name__}"
+    )
+
+
+def _set_state(obj, state: dict) -> None:
+    if hasattr(obj, "load_optimizer_state_dict"):
+        obj.load_optimizer_state_dict(state)
+    else:
+        obj.load_state_dict(state)
+
+
+def _check_object(obj) -> None:
+    ok = (hasattr(obj, "optimizer_state_dict") and hasattr(obj, "load_optimizer_state_dict")) or (
+        hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+    if not ok:
+        raise TypeError(
+            "save_state/load_state need an optimizer (state_dict/load_state_dict) or an object "
+            f"with optimizer_state_dict/load_optimizer_state_dict, got {type(obj).__name__}"
+        )
+
+
+def _rank_and_size(obj, group):
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    if group is None:
+        group = getattr(obj, "group", None)
+    if group is None:
+        group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather_object(value, group, n):
+    if n == 1:
+        return [value]
+    out = [None] * n
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _describe(obj) -> dict:
+    """What must match between the saving and the loading object."""
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    hierarchy = getattr(obj, "hierarchy", None)
+    topology = getattr(obj, "topology", None)
+    shapes = None
+    if isinstance(getattr(obj, "param_groups", None), list):
+        shapes = [[list(p.shape) for p in g["params"]] for g in obj.param_groups]
+    return dict(kind=kind, hierarchy=None if hierarchy is None else str(hierarchy),
+                topology=None if topology is None else str(topology), param_shapes=shapes)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_state(obj, directory, *, group=None) -> str:
+    """Save this rank's optimizer state of ``obj`` (a ``DistributedLion`` or any optimizer, or an
+    object with ``optimizer_state_dict()``, e.g. ``DecentralizedDataParallel``) into
+    ``directory``; every rank of the group must call it. Returns the manifest's path.
+
+    group: the ranks that save together; None: ``obj.group`` if set, else the default group (a
+    single process without one). Raises ``CheckpointError`` on every rank if any rank could not
+    write its file; the previous checkpoint in ``directory`` then stays loadable.
+    """
+    _check_object(obj)
+    directory = os.fspath(directory)
+    group, rank, n = _rank_and_size(obj, group)
+    # One tag per save, the same on every rank: rank 0's, spread with the file records below.
+    tag = [f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"]
+    if n > 1:
+        dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0), group=group)
+    tag = tag[0]
+    name = f"rank{rank:05d}-of-{n:05d}.{tag}.pt"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(_get_state(obj), buf)
+        data = buf.getvalue()
+        _write_atomic(os.path.join(directory, name), data)
+        record = dict(file=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    except Exception as e:  # every rank must still reach the gather below
+        record = dict(error=f"rank {rank}: cannot write {os.path.join(directory, name)}: {e}")
+    records = _all_gather_object(record, group, n)
+    errors = [r["error"] for r in records if "error" in r]
+
+    status = [None]
+    if rank == 0:
+        try:
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            manifest = dict(format=FORMAT, format_version=FORMAT_VERSION, world_size=n,
+                            library_version=_version(), torch_version=torch.__version__,
+                            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tag=tag,
+                            **_describe(obj), files=records)
+            _write_atomic(os.path.join(directory, MANIFEST),
+                          json.dumps(manifest, indent=1).encode())
+            _fsync_dir(directory)
+            keep = {r["file"] for r in records}
+            for old in os.listdir(directory):  # the previous saves' files, now unreferenced
+                if old.startswith("rank") and ".pt" in old and old not in keep:
+                    try:
+                        os.remove(os.path.join(directory, old))
+                    except OSError:
+                        pass
+        except Exception as e:
+            status = [f"checkpoint {directory!s} not saved: {e}"]
+    if n > 1:  # nobody returns before the manifest is in place (or the save failed everywhere)
+        dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
+    if status[0] is not None:
+        # Remove this rank's orphan file; the previous manifest does not name it.
+        if "error" not in record:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+        raise CheckpointError(status[0])
+    return os.path.join(directory, MANIFEST)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def read_manifest(directory) -> dict:
+    """The checked manifest of a checkpoint directory (raises CheckpointError)."""
+    path = os.path.join(os.fspath(directory), MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (not a checkpoint, or its save never finished)")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON (corrupted or truncated): {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.get('format_version')!r}, this "
+                              f"library reads version {FORMAT_VERSION}")
+    files, n = manifest.get("files"), manifest.get("world_size")
+    if (not isinstance(n, int) or n < 1 or not isinstance(files, list) or len(files) != n
+            or not all(isinstance(r, dict) and {"file", "bytes", "sha256"} <= set(r)
+                       for r in files)):
+        raise CheckpointError(f"{path}: world_size and files do not agree (corrupted manifest)")
+    for r in files:
+        if os.path.basename(str(r["file"])) != r["file"]:
+            raise CheckpointError(f"{path}: file name {r['file']!r} leaves the directory")
+    return manifest
+
+
+def _read_rank_file(directory: str, record: dict):
+    path = os.path.join(directory, record["file"])
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (named by {MANIFEST})")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    if len(data) != record["bytes"]:
+        raise CheckpointError(f"{path}: {len(data)} bytes, {MANIFEST} says {record['bytes']} "
+                              "(truncated or overwritten)")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupted)")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be unpickled: {e}") from e
+
+
+def _accumulate(acc, value, where: str, path: str):
+    """acc + value over a state structure: floating tensors summed in float64, everything else
+    must be equal."""
+    if isinstance(value, dict):
+        if not isinstance(acc, dict) or set(acc) != set(value):
+            raise CheckpointError(f"{where}: the old ranks' states differ in structure at {path}")
+        return {k: _accumulate(acc[k], value[k], where, f"{path}/{k}") for k in value}
+    if isinstance(value, (list, tuple)):
+        if not isinstance(acc, (list, tuple)) or len(acc) != len(value):
+            raise CheckpointError(f"{where}: the old ranks' states differ in structure at {path}")
+        return type(value)(_accumulate(a, v, where, f"{path}/{i}")
+                           for i, (a, v) in enumerate(zip(acc, value)))
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        if not isinstance(acc, torch.Tensor) or acc.shape != value.shape:
+            raise CheckpointError(f"{where}: the old ranks' states differ in shape at {path}")
+        return acc + value.double()
+    if isinstance(value, torch.Tensor):
+        same = isinstance(acc, torch.Tensor) and torch.equal(acc, value)
+    else:
+        same = acc == value
+    if not same:
+        raise CheckpointError(f"{where}: the old ranks disagree at {path} ({acc!r} vs {value!r}); "
+                              "only floating-point state can be averaged when resizing")
+    return acc
+
+
+def _to_float64(value):
+    if isinstance(value, dict):
+        return {k: _to_float64(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_float64(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    return value
+
+
+def _finish_mean(acc, like, n_old: int):
+    if isinstance(like, dict):
+        return {k: _finish_mean(acc[k], like[k], n_old) for k in like}
+    if isinstance(like, (list, tuple)):
+        return type(like)(_finish_mean(a, v, n_old) for a, v in zip(acc, like))
+    if isinstance(like, torch.Tensor) and like.is_floating_point():
+        return (acc / n_old).to(like.dtype)
+    return like
+
+
+def _check_fits(obj, state, where: str) -> None:
+    """The saved state matches the optimizer's param groups and parameter shapes."""
+    groups = getattr(obj, "param_groups", None)
+    if not (isinstance(groups, list) and isinstance(state, dict)
+            and isinstance(state.get("param_groups"), list)
+            and isinstance(state.get("state"), dict)):
+        return
+    saved = state["param_groups"]
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{where}: {len(saved)} param groups saved, the optimizer has "
+                              f"{len(groups)}")
+    params = []
+    for i, (s, g) in enumerate(zip(saved, groups)):
+        if len(s.get("params", ())) != len(g["params"]):
+            raise CheckpointError(f"{where}: param group {i} has {len(s.get('params', ()))} "
+                                  f"parameters saved, the optimizer has {len(g['params'])}")
+        params += list(zip(s["params"], g["params"]))
+    for pid, p in params:
+        for key, value in state["state"].get(pid, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise CheckpointError(f"{where}: state {key!r} of parameter {pid} has shape "
+                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+
+
+def _prepare(obj, directory: str, rank: int, n: int):
+    """Read and check everything this rank needs; return (state to load, manifest). Changes
+    nothing."""
+    manifest = read_manifest(directory)
+    where = os.path.join(directory, MANIFEST)
+    mine = _describe(obj)
+    for key in ("kind", "hierarchy", "topology"):
+        if manifest.get(key) != mine[key]:
+            raise CheckpointError(f"{where}: saved with {key} {manifest.get(key)!r}, loading "
+                                  f"into {key} {mine[key]!r}")
+    if mine["param_shapes"] is not None and manifest.get("param_shapes") != mine["param_shapes"]:
+        raise CheckpointError(f"{where}: parameter shapes differ: saved "
+                              f"{manifest.get('param_shapes')}, optimizer {mine['param_shapes']}")
+    n_old, files = manifest["world_size"], manifest["files"]
+    if n_old == n:
+        state = _read_rank_file(directory, files[rank])
+        _check_fits(obj, state, os.path.join(directory, files[rank]["file"]))
+        return state, manifest
+    if manifest.get("hierarchy") is not None:
+        raise CheckpointError(f"{where}: saved on {n_old} ranks with hierarchy "
+                              f"{manifest['hierarchy']!r} (sharded momentum); it can be loaded on "
+                              f"{n_old} ranks only, not {n}")
+    first = _read_rank_file(directory, files[0])
+    acc = _to_float64(first)
+    for record in files[1:]:
+        acc = _accumulate(acc, _read_rank_file(directory, record),
+                          os.path.join(directory, record["file"]), "state")
+    state = _finish_mean(acc, first, n_old)
+    _check_fits(obj, state, os.path.join(directory, files[0]["file"]))
+    return state, manifest
+
+
+def load_state(obj, directory, *, group=None) -> dict:
+    """Load the state ``save_state`` wrote into ``obj``, on every rank of the group (all call
+    it). Same world size: each rank gets its own state back, bit for bit. Different world size:
+    every rank gets the mean of the old ranks' momenta (module docstring). Returns the manifest.
+
+    Every rank first checks the manifest, the sizes and sha256 of the files it reads, and that the
+    state fits ``obj``; if any rank finds a problem, every rank raises ``CheckpointError`` naming
+    the file and what is wrong, and no rank changes anything.
+    """
+    _check_object(obj)
+    directory = os.fspath(directory)
+    group, rank, n = _rank_and_size(obj, group)
+    state, manifest, problem = None, None, None
+    try:
+        state, manifest = _prepare(obj, directory, rank, n)
+    except CheckpointError as e:
+        problem = f"rank {rank}: {e}"
+    except Exception as e:  # anything else must not leave the other ranks waiting
+        problem = f"rank {rank}: {type(e).__name__}: {e}"
+    problems = [p for p in _all_gather_object(problem, group, n) if p is not None]
+    if problems:
+        raise CheckpointError(f"checkpoint {directory} not loaded on any rank: "
+                              + "; ".join(problems))
+    _set_state(obj, state)
+    return manifest

@@ -1,0 +1,89 @@
+"""Collectives that fail loudly: a dead or stalled rank becomes a ``DistributedStepError`` that
+names the step and the collective, instead of a hang or a bare backend message.
+
+Every collective of the D-Lion exchange goes through ``collective()`` (or ``wait()`` for the
+asynchronous ones). How long a collective may take is the process group's own timeout, set where
+the group is made::
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=60))
+
+gloo and NCCL then raise on every surviving rank when a peer dies (its connections close) or
+stalls (nothing arrives before the timeout). ``timeout=`` here is an extra, shorter bound for one
+call: the collective is started with ``async_op=True`` and its ``Work`` is waited on for at most
+that long.
+
+After such an error the group is unusable (peers may be inside different collectives): destroy it
+(``dist.destroy_process_group()``), restart the job and resume from the last checkpoint
+(``dlion_kernels.load_state``). Nothing of the failed step was applied to the parameters: the
+exchange applies only after its last collective has returned (see ``step.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+
+class DistributedStepError(RuntimeError):
+    """A collective of a D-Lion step failed or timed out on this rank (a peer died or stalled).
+
+    Attributes: ``step`` (the step counter passed to the exchange), ``collective`` (its name) and
+    ``rank`` (this process's rank in the default group, or -1 without one). The backend's own
+    exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, step, collective: str, detail: str):
+        self.step, self.collective = step, collective
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        super().__init__(
+            f"D-Lion step {step}: collective {collective} failed on rank {self.rank}: {detail}. "
+            "A peer rank has probably died or stalled; nothing of this step was applied to the "
+            "parameters on this rank. The process group is no longer usable: destroy it, restart "
+            "the job and resume from the last checkpoint (dlion_kernels.load_state)."
+        )
+
+
+def _as_timedelta(timeout) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise ValueError(f"timeout must be None, a number of seconds > 0 or a timedelta, got "
+                     f"{timeout!r}")
+
+
+def wait(work, step, name: str, timeout=None) -> None:
+    """Wait for an asynchronous collective's ``Work``; a failure or a wait longer than
+    ``timeout`` (seconds or timedelta; None: the group's own timeout) raises
+    ``DistributedStepError`` naming ``step`` and ``name``."""
+    limit = _as_timedelta(timeout)
+    try:
+        done = work.wait() if limit is None else work.wait(limit)
+    except DistributedStepError:
+        raise
+    except Exception as e:  # gloo: RuntimeError; NCCL: DistBackendError (a RuntimeError)
+        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}") from e
+    if done is False:  # some backends report a timed-out wait by returning False
+        raise DistributedStepError(step, name, f"not finished after {limit}")
+
+
+def collective(name: str, step, fn, *args, timeout=None, **kwargs):
+    """``fn(*args, **kwargs)`` (a torch.distributed collective) as step ``step``'s collective
+    ``name``. Without ``timeout`` it runs synchronously under the group's timeout; with one, it
+    runs with ``async_op=True`` and is waited on for at most ``timeout``. With ``async_op=True``
+    it is only started and its ``Work`` returned: finish it with ``wait(work, step, name)``."""
+    limit = _as_timedelta(timeout)
+    started = kwargs.pop("async_op", False)  # the caller waits later, through wait()
+    try:
+        if limit is None and not started:
+            fn(*args, **kwargs)
+            return None
+        work = fn(*args, async_op=True, **kwargs)
+    except Exception as e:
+        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}") from e
+    if started:
+        return work
+    wait(work, step, name, limit)
+    return None
