@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..exchange.copying import Copyable
 from ..kernels import accum as _kernels
 from ..kernels.backends import BACKENDS
 
@@ -32,7 +33,7 @@ def _check_common(lr, betas, weight_decay, accum_steps, backend):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 
 
-class _AccumBase(torch.optim.Optimizer):
+class _AccumBase(Copyable, torch.optim.Optimizer):
     _has_v = True
 
     def __init__(self, params, defaults: dict, backend):

@@ -24,6 +24,11 @@ from dlion_kernels.exchange.copying import Copyable, attached_group
 OPTIMIZERS = {
     "DistributedLion": lambda params, lr=1e-2: dk.DistributedLion(params, lr=lr,
                                                                   weight_decay=0.1),
+    "DistributedLion-overlap": lambda params, lr=1e-2: dk.DistributedLion(
+        params, lr=lr, weight_decay=0.1, overlap=True, bucket_mb=0.001),
+    "AccumAdamW": lambda params, lr=1e-2: dk.AccumAdamW(params, lr=lr, accum_steps=2),
+    "AccumLion": lambda params, lr=1e-2: dk.AccumLion(params, lr=lr, weight_decay=0.1,
+                                                      accum_steps=2),
 }
 NAMES = list(OPTIMIZERS)
 
