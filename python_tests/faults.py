@@ -64,9 +64,10 @@ def _arm(fault: Fault) -> None:
         current["step"] = step
         if step == fault.step and fault.point == f"before:{name}":
             _fire(fault.action)
-        original(name, step, fn, *args, **kwargs)
+        work = original(name, step, fn, *args, **kwargs)  # async_op=True: the started Work
         if step == fault.step and fault.point == f"after:{name}":
             _fire(fault.action)
+        return work
 
     # Every module that imported the function by name gets the patched one.
     for mod in list(sys.modules.values()):
