@@ -14,7 +14,16 @@ import triton
 import triton.language as tl
 
 from .accum import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
-from .triton import _INTERPRETED, _LAUNCH_OPTIONS, _chunk_block, _load_f32, _on, _round, _tables
+from .triton import (
+    _INTERPRETED,
+    _LAUNCH_OPTIONS,
+    _chunk_block,
+    _in_use,
+    _load_f32,
+    _on,
+    _round,
+    _tables,
+)
 
 
 @triton.jit
@@ -105,21 +114,21 @@ def _launch(kind, kernel, lists, scalars, k1, flush):
     block = _chunk_block(numels)
     if not _INTERPRETED:
         block = 1024
-    meta, prog, programs, _aligned, base_index = _tables(
+    # one launch per alignment group (triton.py's _tables); accumulators stay correct either way
+    for meta, prog, programs, _aligned, base_index in _tables(
         kind, device, lists, numels, (0,) * len(numels), block
-    )
-    if programs == 0:
-        return
-    bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
-    # An absent list (K = 1 accumulators) is never touched: any typed fp32 pointer will do.
-    bases = [b if b.dtype == ref_dtype else lists[3][base_index[3]]
-             for b, ref_dtype in zip(bases, [params[0].dtype] * 2 + [torch.float32] * 3)]
-    with _on(device):
-        kernel[(programs,)](
-            meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, BLOCK=block,
-            SOFT_BF16=_INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
-            **_LAUNCH_OPTIONS,
-        )
+    ):
+        bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
+        # An absent list (K = 1 accumulators) is never touched: any typed fp32 pointer will do.
+        bases = [b if b.dtype == ref_dtype else lists[3][base_index[3]]
+                 for b, ref_dtype in zip(bases, [params[0].dtype] * 2 + [torch.float32] * 3)]
+        meta, prog = _in_use(meta, prog)
+        with _on(device):
+            kernel[(programs,)](
+                meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, BLOCK=block,
+                SOFT_BF16=_INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
+                **_LAUNCH_OPTIONS,
+            )
 
 
 def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
