@@ -65,16 +65,20 @@ def _worker(rank, L, store, sizes, reps, queue):
         for dname, dtype in DTYPES.items():
             params = torch.randn(L * shard * 32, generator=gen).to(dtype)
             aggregate = torch.empty(L * shard, dtype=torch.int32)
+            # apply (kernel stages v2) also writes a momentum: a scratch one, as hierarchy.py
+            scratch = torch.zeros(L * shard * 32, dtype=torch.float32)
 
             def gather_aggregate():
                 _gather(aggregate, owned)
-                kernels.apply([params[:d]], aggregate, [0], 1e-3, 0.0, 2, "vote", False)
+                kernels.apply([params[:d]], [None], [scratch[:d]], aggregate, [0], 1e-3, 0.0,
+                              1.0, 2, "vote", False)
 
             mine = params[rank * shard * 32 : (rank + 1) * shard * 32]
             gathered = torch.empty_like(params)
 
             def gather_params():
-                kernels.apply([mine], owned, [0], 1e-3, 0.0, 2, "vote", False)
+                kernels.apply([mine], [None], [scratch[: mine.numel()]], owned, [0], 1e-3,
+                              0.0, 1.0, 2, "vote", False)
                 _gather(gathered, mine)
 
             for variant, fn in (("aggregate", gather_aggregate), ("params", gather_params)):
@@ -98,7 +102,15 @@ def run(L, sizes, reps):
                  for r in range(L)]
         for p in procs:
             p.start()
-        rows = queue.get(timeout=1800)
+        rows = None
+        while rows is None:  # a worker that fails must not leave us waiting forever
+            try:
+                rows = queue.get(timeout=5)
+            except Exception:  # queue.Empty
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        p.kill()
+                    raise SystemExit("a worker failed (see its traceback above)")
         for p in procs:
             p.join()
     return rows
