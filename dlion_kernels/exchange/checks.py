@@ -96,6 +96,11 @@ def check_tensors(params, grads, exp_avgs) -> torch.device | None:
     for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
         if g is not None:
             _check_tensor("grads", i, g, p, DTYPES)
+            # what every backend's apply reads (kernel stages v2): found by fuzzing, a bf16
+            # gradient of an fp32 parameter failed inside apply, after the exchange
+            if g.dtype not in (p.dtype, torch.float32):
+                raise TypeError(f"grads[{i}] has dtype {g.dtype}; allowed: the parameter's dtype "
+                                f"({p.dtype}) or float32")
         _check_tensor("exp_avgs", i, m, p, (torch.float32,))
     check_no_overlap(params, grads, exp_avgs)
     return device

@@ -72,7 +72,8 @@ def fused_dlion_step(
     """One Distributed Lion step; updates ``params`` and ``exp_avgs`` in place.
 
     params, grads, exp_avgs: equal-length lists of same-shape tensors on one device. params and
-    grads are fp32, bf16 or fp16 (a ``None`` grad counts as zero); exp_avgs are fp32.
+    grads are fp32, bf16 or fp16, each the dtype of its parameter or fp32 (a ``None`` grad counts
+    as zero); exp_avgs are fp32.
     mode: "vote" (majority, sign of the vote sum) or "average" (vote sum / n).
     votes: "binary" (1 bit, c > 0 votes +1 else -1) or "ternary" (sign(c), zero abstains).
     group: process group; None = the default group if initialized, else a single process. Every
