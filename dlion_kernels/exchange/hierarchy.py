@@ -54,7 +54,7 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
-from .header import StepMismatchError
+from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
     _WORD_BYTES,
     Exchange,
@@ -331,16 +331,12 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         all_gather(flags, flag, topo.inter)
         flag = flags.any().to(torch.int32).view(1)
         inter += (N - 1) * _WORD_BYTES
-    header = torch.cat([flag, torch.tensor([step], dtype=torch.int32, device=device)])
+    headers = make_header(flag, step)
     if L > 1:
-        headers = torch.empty(L, 2, dtype=torch.int32, device=device)
-        all_gather(headers.view(-1), header, topo.intra)
-        intra += (L - 1) * 2 * _WORD_BYTES
-        header = headers.cpu()
-    else:
-        header = header.view(1, 2).cpu()
-    _check_steps(header[:, 1], step)
-    if bool(header[:, 0].any()):
+        mine, headers = headers, torch.empty(L * HEADER_WORDS, dtype=torch.int32, device=device)
+        all_gather(headers, mine, topo.intra)
+        intra += (L - 1) * HEADER_WORDS * _WORD_BYTES
+    if decide(headers):  # raises StepMismatchError alike on every rank
         if nonfinite == "raise":
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank (or a node's gradient sum "
@@ -365,7 +361,7 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     bucket.reduce()
     bucket.wait()
     inter += ex.sent
-    _check_steps(bucket.header[:, 1].cpu(), step)
+    decide(bucket.header)  # the other nodes' steps (their flags were checked above)
 
     # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
     for r in rows:
@@ -384,15 +380,6 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         aggregate = owned
     _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
     return stats()
-
-
-def _check_steps(steps, step) -> None:
-    if bool((steps != step).any()):
-        other = next(int(s) for s in steps.flatten().tolist() if s != step)
-        raise StepMismatchError(
-            f"ranks are at different steps: this rank is at step {step}, another at step "
-            f"{other}; every rank must call step() the same number of times; nothing was "
-            "updated on any rank")
 
 
 def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
