@@ -218,6 +218,7 @@ def _worker(rank, n, store, cfg, out_dir):
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    common.exit_worker()
 
 
 def run_ranks(n: int, cfg: dict, timeout: float) -> dict:

@@ -91,6 +91,7 @@ def _worker(rank, L, store, sizes, reps, queue):
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
+    common.exit_worker(queue)
 
 
 def run(L, sizes, reps):

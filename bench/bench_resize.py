@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,6 +86,7 @@ def _phase(rank, n, args, store, ckpt, phase, rule, queue):
     if rank == 0:
         queue.put(dict(losses=losses, accuracy=acc))
     dist.destroy_process_group()
+    common.exit_worker(queue)
 
 
 def _run(n, args, ckpt, phase, rule):

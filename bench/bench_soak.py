@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -68,6 +69,7 @@ def _rank(rank, n, args, store, ckpt_dir, queue):
     queue.put(dict(rank=rank, samples=samples, wall_s=wall, first_loss=sum(losses[:50]) / 50,
                    last_loss=sum(losses[-50:]) / 50, ckpt_files=ckpt_files))
     dist.destroy_process_group()
+    common.exit_worker(queue)
 
 
 def _growth(samples, warmup, key):

@@ -31,6 +31,22 @@ if REPO_ROOT not in sys.path:
 SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
+# ----------------------------------------------------------------------------- workers
+
+
+def exit_worker(queue=None) -> None:
+    """End a spawned rank after ``destroy_process_group``: flush what it wrote, then leave with
+    ``os._exit(0)``. A normal interpreter exit can abort (SIGABRT, "terminate called without an
+    active exception") while gloo's threads are torn down; it happened on CI after all results
+    were written. ``queue``: an ``mp.Queue`` this rank put results on, drained first."""
+    if queue is not None:
+        queue.close()
+        queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # ----------------------------------------------------------------------------- arguments
 
 
