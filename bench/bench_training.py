@@ -694,8 +694,16 @@ def main(argv=None) -> int:
                                     "reason": "time budget spent"})
                     continue
                 t0 = time.time()
-                got, got_raw, info = run_config(nodes, L, rate, args, tmp,
-                                                timeout=min(3600, left + 300))
+                try:
+                    got, got_raw, info = run_config(nodes, L, rate, args, tmp,
+                                                    timeout=min(3600, left + 300))
+                except RuntimeError as e:  # a rank died (e.g. out of memory): record, go on
+                    reason = str(e).splitlines()[0][:300]
+                    print(f"  {rate:g} Gbit/s {nodes}x{L}: FAILED: {reason}", flush=True)
+                    skipped.append({"layout": f"{nodes}x{L}", "rate_gbps": rate,
+                                    "reason": f"failed: {reason}"})
+                    write(final=False)
+                    continue
                 rows += got
                 raw += got_raw
                 infos.append(dict(info, layout=f"{nodes}x{L}", rate_gbps=rate))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..exchange.buckets import Bucket, BucketEngine
+from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
 from .topology import Topology
 
 _GOSSIP_DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
@@ -109,8 +109,9 @@ class DecentralizedDataParallel(torch.nn.Module):
             [p for p in module.parameters() if p.requires_grad], bucket_mb=bucket_mb,
             group=group, on_ready=self._on_ready,
         )
-        self._handles = [p.register_post_accumulate_grad_hook(self._queue_end_of_backward)
-                         for p in self._engine.params]
+        self._handles = [p.register_post_accumulate_grad_hook(
+            WeakHook(self, "_queue_end_of_backward")) for p in self._engine.params]
+        remove_when_collected(self, self._handles)
 
     # ------------------------------------------------------------------------- module
 

@@ -22,6 +22,9 @@ Decentralized training (seed 2, SPEC §7) runs beside them with ``--strategy dec
 trains with ``DecentralizedDataParallel`` (gossip on the topology, a full iteration of overlap;
 the test accuracy is that of the parameters averaged over all ranks) and compares it with AdamW +
 all-reduce and D-Lion vote on the same split and initial weights.
+``--strategy auto`` lets the runtime model (``dlion_kernels.plan``) pick: the workers calibrate
+their links, collectives and compute (a few seconds), print the predicted step of every strategy
+the demo can run, and train the fastest.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.multiprocessing as mp
 import dlion_kernels as dk
 
 OPTIMIZERS = ("D-Lion vote", "D-Lion average", "Lion + all-reduce", "AdamW + all-reduce")
-STRATEGIES = ("all-reduce", "decentralized")
+STRATEGIES = ("all-reduce", "decentralized", "auto")
 DECENTRALIZED_OPTIMIZERS = ("accum-adamw", "accum-lion", "adamw")
 
 
@@ -62,7 +65,9 @@ def parse_args(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     ap.add_argument("--strategy", choices=STRATEGIES, default="all-reduce",
                     help="all-reduce: the four optimizers above (default); decentralized: "
-                    "DecentralizedDataParallel against AdamW + all-reduce and D-Lion vote")
+                    "DecentralizedDataParallel against AdamW + all-reduce and D-Lion vote; "
+                    "auto: the runtime model picks one (--topology and --hierarchy then only "
+                    "say what it may pick from) and only that one trains")
     ap.add_argument("--topology", default="ring",
                     choices=("complete", "ring", "one-peer-exp", "alternating-exp-ring"),
                     help="gossip topology of --strategy decentralized")
@@ -90,6 +95,37 @@ def optimizer_names(args) -> tuple:
         return names
     return names + tuple(f"D-Lion {m}, hierarchy {args.hierarchy}"
                               for m in ("vote", "average"))
+
+
+def choose_auto(args, n, rank) -> str:
+    """--strategy auto: the demo strategy the runtime model predicts fastest on these workers.
+    Collective (every worker calibrates, rank 0 decides, all get the same answer)."""
+    from dlion_kernels.plan import auto
+    from dlion_kernels.plan.__main__ import table
+
+    if n < 2:
+        raise SystemExit("--strategy auto needs at least 2 workers (it times the links)")
+    L = args.hierarchy or 1
+    names = {"allreduce-fp32": "AdamW + all-reduce", "dlion-vote": "D-Lion vote",
+             "dlion-average": "D-Lion average"}
+    if L > 1:
+        names.update({f"dlion-hier-{m}": f"D-Lion {m}, hierarchy {L}" for m in ("vote", "average")})
+    for t in dk.plan.TOPOLOGIES:
+        if dk.plan.topology_problem(t, n, L) is None:
+            names[f"decentralized-{t}"] = f"Decentralized {t} {args.optimizer}"
+    numel = sum(p.numel() for p in make_model(args.hidden, args.seed).parameters())
+    inputs = auto.job_inputs(numel, ranks_per_node=L)
+    n_, L_ = inputs.pop("ranks"), inputs.pop("ranks_per_node")
+    inputs.update(modes=("vote", "average"), bucket_mb=0.25)  # the demo's gossip buckets
+    predicted = [r for r in dk.plan.predict(numel, n_, L_, **inputs) if r.strategy in names]
+    chosen = predicted[0]  # fastest first
+    if chosen.strategy.startswith("decentralized-"):
+        args.topology = chosen.options["topology"]
+    if rank == 0:
+        print(f"runtime model, {numel:,} parameters on {n} workers (L = {L}):\n"
+              f"{table(predicted)}\nchosen: {chosen.strategy} -> {names[chosen.strategy]}",
+              flush=True)
+    return names[chosen.strategy]
 
 
 def load_digits(seed: int):
@@ -237,7 +273,8 @@ def run(rank, n, args, device):
     solo_groups = [dist.new_group([r]) for r in range(n)] if n > 1 else [None]
     solo = solo_groups[rank] if n > 1 else None
     rows = []
-    for name in optimizer_names(args):
+    names = (choose_auto(args, n, rank),) if args.strategy == "auto" else optimizer_names(args)
+    for name in names:
         if rank == 0 and not args.quiet:
             print(f"training with {name} on {n} worker(s)", flush=True)
         rows.append(train_one(name, args, rank, n, device, solo, data))
@@ -245,7 +282,8 @@ def run(rank, n, args, device):
 
 
 def format_table(rows, n) -> str:
-    fp32 = next(r["bytes_per_step"] for r in rows if r["optimizer"].endswith("all-reduce"))
+    fp32 = next((r["bytes_per_step"] for r in rows if r["optimizer"].endswith("all-reduce")),
+                None)
     lines = [
         f"| optimizer ({n} workers) | test accuracy | bytes sent / rank / step | vs fp32 "
         "all-reduce | wall time (s) |",

@@ -46,6 +46,7 @@ stream calls are no-ops.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +56,37 @@ import torch.distributed as dist
 from ..kernels.layout import block_offsets
 
 _MIB = 1 << 20
+
+
+class WeakHook:
+    """A tensor hook that calls ``owner.<method>(*bound, *args)`` while ``owner`` lives, and
+    does nothing after.
+
+    A hook stored on a parameter lives in autograd's C++ metadata, where Python's garbage
+    collector cannot see it: a hook holding its owner strongly keeps the owner, and through it
+    the model and its optimizer state, alive as long as the parameter (an optimizer built per
+    run of a sweep leaked a model's worth of memory each time)."""
+
+    __slots__ = ("ref", "method", "bound")
+
+    def __init__(self, owner, method: str, *bound):
+        self.ref, self.method, self.bound = weakref.ref(owner), method, bound
+
+    def __call__(self, *args):
+        owner = self.ref()
+        if owner is not None:
+            getattr(owner, self.method)(*self.bound, *args)
+
+
+def remove_when_collected(obj, handles: list) -> None:
+    """Remove ``handles`` (tensor hook handles) once ``obj`` is garbage collected."""
+    weakref.finalize(obj, _remove_all, handles)
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 @dataclass(eq=False)
@@ -137,40 +169,36 @@ class BucketEngine:
         self._pending: list[int] = []        # gradients still missing, per bucket
         self._next = 0                        # the next bucket to make ready
         self._sync = True
-        self._handles = []
+        self._handles = []  # the hooks hold the engine weakly (WeakHook); removed with it
         for i, p in enumerate(self.params):
-            self._handles.append(p.register_hook(self._make_pre_hook(i)))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._make_post_hook(i)))
+            self._handles.append(p.register_hook(WeakHook(self, "_before_grad", i)))
+            self._handles.append(
+                p.register_post_accumulate_grad_hook(WeakHook(self, "_grad_ready", i)))
+        remove_when_collected(self, self._handles)
 
     # ------------------------------------------------------------------------- hooks
 
-    def _make_pre_hook(self, i: int):
-        def pre_hook(grad):
-            # Runs before autograd accumulates ``grad`` into .grad: raising here leaves the
-            # gradient that was already used untouched.
-            if self._done[i]:
-                raise RuntimeError(
-                    "a second backward() reached parameters whose gradients were already "
-                    "exchanged this step; call step() between backward() calls, or run every "
-                    "micro-batch but the last inside no_sync() to accumulate gradients (nothing "
-                    "was modified)"
-                )
+    def _before_grad(self, i: int, grad) -> None:
+        # Runs before autograd accumulates ``grad`` into .grad: raising here leaves the
+        # gradient that was already used untouched.
+        if self._done[i]:
+            raise RuntimeError(
+                "a second backward() reached parameters whose gradients were already "
+                "exchanged this step; call step() between backward() calls, or run every "
+                "micro-batch but the last inside no_sync() to accumulate gradients (nothing "
+                "was modified)"
+            )
 
-        return pre_hook
-
-    def _make_post_hook(self, i: int):
-        def post_hook(param):
-            if not self._sync:
-                return
-            self._done[i] = True
-            if self.buckets is None:
-                self._order.append(i)
-                return
-            b = self._bucket_of[i]
-            self._pending[b] -= 1
-            self._advance()
-
-        return post_hook
+    def _grad_ready(self, i: int, param) -> None:
+        if not self._sync:
+            return
+        self._done[i] = True
+        if self.buckets is None:
+            self._order.append(i)
+            return
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        self._advance()
 
     def _advance(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -213,9 +241,7 @@ class BucketEngine:
 
     def remove(self) -> None:
         """Remove the hooks; the engine makes nothing ready afterwards."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        _remove_all(self._handles)
 
     # ------------------------------------------------------------------------- internals
 

@@ -100,13 +100,12 @@ def resolve_hierarchy(hierarchy) -> int:
                 )
             return int(value)
         if hierarchy == "auto":
-            # Integration point for the runtime model: DistributedLion.__init__ would resolve
-            # "auto" to dlion_kernels.plan.choose_hierarchy(n, $LOCAL_WORLD_SIZE, numel,
-            # mode=..., **inputs) (1 = flat) before calling this; what is missing is where the
-            # link and compute inputs come from (a --measure result, inputs_from_json).
+            # DistributedLion resolves "auto" once, through the runtime model, before calling
+            # this; a per-call step cannot afford the calibration.
             raise ValueError(
-                'hierarchy="auto" is not available yet: the runtime model that chooses L is not '
-                'wired in; pass hierarchy="node", an int L, or None'
+                'hierarchy="auto" is resolved once by DistributedLion (the runtime model '
+                "calibrates then); for fused_dlion_step pass the L it chose "
+                '(opt.ranks_per_node, or dlion_kernels.plan.auto.hierarchy(...)), "node" or None'
             )
     elif isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1:
         return hierarchy

@@ -116,11 +116,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         check_options(mode, votes, backend, nonfinite)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        self.ranks_per_node = hier.resolve_hierarchy(hierarchy)
+        auto = isinstance(hierarchy, str) and hierarchy == "auto"
+        self.ranks_per_node = 1 if auto else hier.resolve_hierarchy(hierarchy)
         hier.check_world(group, self.ranks_per_node)
-        if overlap and self.ranks_per_node > 1:
-            raise ValueError("hierarchy (L > 1) and overlap=True are not combined yet: pass "
-                             "overlap=False with hierarchy")
+        if overlap and (auto or self.ranks_per_node > 1):
+            raise ValueError("hierarchy (L > 1 or \"auto\") and overlap=True are not combined "
+                             "yet: pass overlap=False with hierarchy")
         check_bucket_mb(bucket_mb)
         _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
                           differentiable=differentiable))
@@ -131,9 +132,21 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self.backend, self.nonfinite = backend, nonfinite
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
         self.last_stats: StepStats | None = None
+        if auto:
+            self._choose_hierarchy()
         self._runtime()
         if overlap:
             self._build_engine()
+
+    def _choose_hierarchy(self) -> None:
+        """hierarchy="auto": the runtime model picks L (ranks per node) or flat (1) for this
+        model size on this job; collective, identical on every rank (``plan/auto.py``)."""
+        from ..plan import auto as plan_auto  # the model is apart from the step: load it late
+
+        numel = sum(p.numel() for g in self.param_groups for p in g["params"])
+        self.ranks_per_node = plan_auto.hierarchy(numel, mode=self.mode, overlap=False,
+                                                  group=self.group)
+        hier.check_world(self.group, self.ranks_per_node)
 
     def _runtime(self) -> None:
         """The private runtime state (exchanges in flight, hooks, streams). Copies (deepcopy,

@@ -61,3 +61,28 @@ def test_demo_hierarchy_rows():
     d = flat["numel"]
     assert hier["inter_node_bytes_per_step"] <= d / 16 + 64
     assert 2.5 * hier["inter_node_bytes_per_step"] < flat["bytes_per_step"]
+
+
+def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
+    """--strategy auto trains the one strategy the runtime model predicts fastest, from the
+    inputs in $DLION_PLAN (a measurement file), among those the demo runs."""
+    import json
+
+    import dlion_kernels as dk
+
+    inputs = dict(inter_gbps=0.05, latency_us=50.0, fwd_ms=0.2, bwd_ms=0.4, opt_ms=0.1)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"inputs": inputs}))
+    monkeypatch.setenv("DLION_PLAN", str(path))
+    numel = sum(p.numel() for p in demo.make_model(32, 0).parameters())
+    allowed = {"allreduce-fp32", "dlion-vote", "dlion-average"} | {
+        f"decentralized-{t}" for t in dk.plan.TOPOLOGIES if not dk.plan.topology_problem(t, 2, 1)}
+    rows = dk.plan.predict(numel, 2, 1, modes=("vote", "average"), bucket_mb=0.25, **inputs)
+    expected = next(r.strategy for r in rows if r.strategy in allowed)
+    assert expected == "dlion-vote"  # 1 bit per parameter on a 50 Mbit/s link
+    trained = demo.main(["--workers", "2", "--epochs", "1", "--hidden", "32", "--quiet",
+                         "--strategy", "auto"])
+    assert [r["optimizer"] for r in trained] == ["D-Lion vote"]
+    assert trained[0]["ranks_in_sync"]
+    out = capfd.readouterr().out  # rank 0's process printed the predictions
+    assert "chosen: dlion-vote -> D-Lion vote" in out and "| allreduce-fp32 |" in out

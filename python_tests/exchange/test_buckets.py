@@ -195,3 +195,38 @@ def test_buckets_identical_on_every_rank(n):
         assert got == buckets
         assert during == list(range(len(buckets)))
         assert total == during
+
+
+def test_hooks_do_not_keep_their_owners_alive():
+    """Hooks live in autograd's C++ metadata, out of the garbage collector's sight: an engine,
+    an overlap optimizer or a decentralized wrapper that is dropped must be freed (with its
+    buffers and state) and its hooks removed, while the model lives on."""
+    import gc
+    import weakref
+
+    import dlion_kernels as dk
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    owners = []
+    for build in (
+        lambda: BucketEngine(model.parameters(), bucket_mb=1e-4, on_ready=lambda b: None),
+        lambda: dk.DistributedLion(model.parameters(), lr=1e-3, overlap=True, bucket_mb=1e-4),
+        lambda: dk.DecentralizedDataParallel(model, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                             topology="complete"),
+    ):
+        owner = build()
+        for _ in range(2):  # record the order, then a step that uses the buckets
+            model(torch.randn(4, 8)).sum().backward()
+            if isinstance(owner, BucketEngine):
+                owner.flush()
+            elif isinstance(owner, dk.DistributedLion):
+                owner.step()
+            model.zero_grad(set_to_none=True)
+        owners.append(weakref.ref(owner))
+        del owner
+        gc.collect()
+    assert [o() for o in owners] == [None, None, None]
+    p = next(model.parameters())
+    assert not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
+    model(torch.randn(4, 8)).sum().backward()  # plain training again, no stale hook runs
+    assert p.grad is not None
