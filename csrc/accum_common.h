@@ -7,6 +7,9 @@
 //   row 4  v      fp32 second moment (AccumAdamW; 0 for AccumLion)
 //   row 5  numel  elements (> 0)
 //   row 6  chunk  first CUDA chunk of the tensor (prefix sum of ceil(numel / chunk elements))
+//   row 7  y      where x is read from (same dtype and size): x itself (the in-place step) or a
+//                 source apart from every written tensor, e.g. the decentralized wrapper's
+//                 received gossip buffer, which fuses the mixing copy x = y into the step
 // Entry t of row r is table[r * T + t]. Semantics: dlion_kernels/kernels/accum.py.
 #pragma once
 
@@ -15,8 +18,8 @@
 namespace dlion {
 namespace accum {
 
-enum Row : int { kX = 0, kG = 1, kA = 2, kM = 3, kV = 4, kNumel = 5, kChunk = 6 };
-constexpr int kRows = 7;
+enum Row : int { kX = 0, kG = 1, kA = 2, kM = 3, kV = 4, kNumel = 5, kChunk = 6, kY = 7 };
+constexpr int kRows = 8;
 
 // The scalars of one call, rounded to fp32 once by the bindings (accum.py: adamw_scalars).
 struct AdamWArgs {

@@ -4,6 +4,8 @@
 // Work is cut into 32-element blocks with fixed-length loops that vectorize; each block loop is
 // compiled for the baseline ISA and for AVX2 + F16C and picked at run time (DLION_CPU_NO_AVX2=1
 // keeps the baseline), with bit-identical results. Tasks of 64K elements go to the thread pool.
+// x is read from the table's y row (x itself, or a source apart from every written tensor: the
+// decentralized wrapper's fused mixing, accum.py) and written to x.
 #include "cpu/accum_kernels.h"
 
 #include <algorithm>
@@ -82,13 +84,13 @@ DLION_INLINE void store(T* p, const float* in, int count) {
 // ----------------------------------------------------------------------------- AccumAdamW
 
 template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_INLINE void adamw_block(T* x, const T* g, float* a, float* m, float* v, int count,
-                              const AdamWArgs& s) {
+DLION_INLINE void adamw_block(T* x, const T* y, const T* g, float* a, float* m, float* v,
+                              int count, const AdamWArgs& s) {
   // N = kB for full blocks (fixed trip count: vectorizes), 0 for the tail (count elements).
   const int len = N ? N : count;
   alignas(32) float xv[kB];
   alignas(32) float gv[kB];
-  load<HW>(x, xv, len);
+  load<HW>(y, xv, len);  // x is read from y (x itself, or the fused mixing's source)
   load<HW>(g, gv, len);
   for (int j = 0; j < len; ++j) {
     const float gj = gv[j];
@@ -113,37 +115,38 @@ DLION_INLINE void adamw_block(T* x, const T* g, float* a, float* m, float* v, in
 }
 
 template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_INLINE void adamw_range(T* x, const T* g, float* a, float* m, float* v, int64_t begin,
-                              int64_t end, const AdamWArgs& s) {
+DLION_INLINE void adamw_range(T* x, const T* y, const T* g, float* a, float* m, float* v,
+                              int64_t begin, int64_t end, const AdamWArgs& s) {
   int64_t i = begin;
   for (; i + kB <= end; i += kB)
-    adamw_block<T, K1, FLUSH, HW, kB>(x + i, g + i, K1 ? a : a + i, m + i, v + i, kB, s);
+    adamw_block<T, K1, FLUSH, HW, kB>(x + i, y + i, g + i, K1 ? a : a + i, m + i, v + i, kB, s);
   if (i < end)
-    adamw_block<T, K1, FLUSH, HW, 0>(x + i, g + i, K1 ? a : a + i, m + i, v + i,
+    adamw_block<T, K1, FLUSH, HW, 0>(x + i, y + i, g + i, K1 ? a : a + i, m + i, v + i,
                                      static_cast<int>(end - i), s);
 }
 
 template <typename T, bool K1, bool FLUSH>
-void adamw_base(T* x, const T* g, float* a, float* m, float* v, int64_t b, int64_t e,
-                const AdamWArgs& s) {
-  adamw_range<T, K1, FLUSH, false>(x, g, a, m, v, b, e, s);
+void adamw_base(T* x, const T* y, const T* g, float* a, float* m, float* v, int64_t b,
+                int64_t e, const AdamWArgs& s) {
+  adamw_range<T, K1, FLUSH, false>(x, y, g, a, m, v, b, e, s);
 }
 #ifdef DLION_ACCUM_AVX2
 template <typename T, bool K1, bool FLUSH>
-DLION_AVX2_TARGET void adamw_avx2(T* x, const T* g, float* a, float* m, float* v, int64_t b,
-                                  int64_t e, const AdamWArgs& s) {
-  adamw_range<T, K1, FLUSH, true>(x, g, a, m, v, b, e, s);
+DLION_AVX2_TARGET void adamw_avx2(T* x, const T* y, const T* g, float* a, float* m, float* v,
+                                  int64_t b, int64_t e, const AdamWArgs& s) {
+  adamw_range<T, K1, FLUSH, true>(x, y, g, a, m, v, b, e, s);
 }
 #endif
 
 // ----------------------------------------------------------------------------- AccumLion
 
 template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_INLINE void lion_block(T* x, const T* g, float* a, float* m, int count, const LionArgs& s) {
+DLION_INLINE void lion_block(T* x, const T* y, const T* g, float* a, float* m, int count,
+                             const LionArgs& s) {
   const int len = N ? N : count;
   alignas(32) float xv[kB];
   alignas(32) float gv[kB];
-  load<HW>(x, xv, len);
+  load<HW>(y, xv, len);  // x is read from y (x itself, or the fused mixing's source)
   load<HW>(g, gv, len);
   for (int j = 0; j < len; ++j) {
     const float gj = gv[j];
@@ -162,26 +165,26 @@ DLION_INLINE void lion_block(T* x, const T* g, float* a, float* m, int count, co
 }
 
 template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_INLINE void lion_range(T* x, const T* g, float* a, float* m, int64_t begin, int64_t end,
-                             const LionArgs& s) {
+DLION_INLINE void lion_range(T* x, const T* y, const T* g, float* a, float* m, int64_t begin,
+                             int64_t end, const LionArgs& s) {
   int64_t i = begin;
   for (; i + kB <= end; i += kB)
-    lion_block<T, K1, FLUSH, HW, kB>(x + i, g + i, K1 ? a : a + i, m + i, kB, s);
+    lion_block<T, K1, FLUSH, HW, kB>(x + i, y + i, g + i, K1 ? a : a + i, m + i, kB, s);
   if (i < end)
-    lion_block<T, K1, FLUSH, HW, 0>(x + i, g + i, K1 ? a : a + i, m + i,
+    lion_block<T, K1, FLUSH, HW, 0>(x + i, y + i, g + i, K1 ? a : a + i, m + i,
                                     static_cast<int>(end - i), s);
 }
 
 template <typename T, bool K1, bool FLUSH>
-void lion_base(T* x, const T* g, float* a, float* m, float*, int64_t b, int64_t e,
+void lion_base(T* x, const T* y, const T* g, float* a, float* m, float*, int64_t b, int64_t e,
                const LionArgs& s) {
-  lion_range<T, K1, FLUSH, false>(x, g, a, m, b, e, s);
+  lion_range<T, K1, FLUSH, false>(x, y, g, a, m, b, e, s);
 }
 #ifdef DLION_ACCUM_AVX2
 template <typename T, bool K1, bool FLUSH>
-DLION_AVX2_TARGET void lion_avx2(T* x, const T* g, float* a, float* m, float*, int64_t b,
-                                 int64_t e, const LionArgs& s) {
-  lion_range<T, K1, FLUSH, true>(x, g, a, m, b, e, s);
+DLION_AVX2_TARGET void lion_avx2(T* x, const T* y, const T* g, float* a, float* m, float*,
+                                 int64_t b, int64_t e, const LionArgs& s) {
+  lion_range<T, K1, FLUSH, true>(x, y, g, a, m, b, e, s);
 }
 #endif
 
@@ -192,7 +195,8 @@ struct Task {
 };
 
 template <typename T, typename Args>
-using RangeFn = void (*)(T*, const T*, float*, float*, float*, int64_t, int64_t, const Args&);
+using RangeFn = void (*)(T*, const T*, const T*, float*, float*, float*, int64_t, int64_t,
+                         const Args&);
 
 template <typename T, typename Args>
 void run(const int64_t* table, int64_t n_tensors, RangeFn<T, Args> fn, const Args& args,
@@ -213,7 +217,8 @@ void run(const int64_t* table, int64_t n_tensors, RangeFn<T, Args> fn, const Arg
   parallel_for(static_cast<int64_t>(tasks.size()), useful, [&](int64_t i) {
     const Task& task = tasks[i];
     const int64_t t = task.tensor;
-    fn(reinterpret_cast<T*>(table[kX * N + t]), reinterpret_cast<const T*>(table[kG * N + t]),
+    fn(reinterpret_cast<T*>(table[kX * N + t]), reinterpret_cast<const T*>(table[kY * N + t]),
+       reinterpret_cast<const T*>(table[kG * N + t]),
        reinterpret_cast<float*>(table[kA * N + t]), reinterpret_cast<float*>(table[kM * N + t]),
        reinterpret_cast<float*>(table[kV * N + t]), task.begin, task.end, args);
   });

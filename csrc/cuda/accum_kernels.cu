@@ -2,7 +2,8 @@
 // covers every tensor of the accum table (csrc/accum_common.h): one CTA per chunk of kChunk
 // elements of one tensor, found by binary search in the table's chunk row; threads stride by
 // kThreads inside the chunk (coalesced). Built with --fmad=false and IEEE division and sqrt (no
-// fast math): one rounding per operation, as the reference.
+// fast math): one rounding per operation, as the reference. x is read from the table's y row (x
+// itself, or a source apart from every written tensor: the fused mixing, accum.py), written to x.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -46,6 +47,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c = blockIdx.x;
   const int t = find_tensor(table, n, c);
   T* x = reinterpret_cast<T*>(table[accum::kX * n + t]);
+  const T* y = reinterpret_cast<const T*>(table[accum::kY * n + t]);  // x is read from y
   const T* g = reinterpret_cast<const T*>(table[accum::kG * n + t]);
   float* a = reinterpret_cast<float*>(table[accum::kA * n + t]);
   float* m = reinterpret_cast<float*>(table[accum::kM * n + t]);
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 4
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     const float gj = ld(g + i);
-    float xj = ld(x + i) * s.decay;
+    float xj = ld(y + i) * s.decay;
     float aj = 0.0f;
     if (!K1) {
       aj = a[i] + gj * s.inv_k;
@@ -81,6 +83,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c = blockIdx.x;
   const int t = find_tensor(table, n, c);
   T* x = reinterpret_cast<T*>(table[accum::kX * n + t]);
+  const T* y = reinterpret_cast<const T*>(table[accum::kY * n + t]);  // x is read from y
   const T* g = reinterpret_cast<const T*>(table[accum::kG * n + t]);
   float* a = reinterpret_cast<float*>(table[accum::kA * n + t]);
   float* m = reinterpret_cast<float*>(table[accum::kM * n + t]);
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
     const float mj = m[i];
     const float cj = s.b1 * mj + s.omb1 * gj;
     const float sign = (cj > 0.0f ? 1.0f : 0.0f) - (cj < 0.0f ? 1.0f : 0.0f);
-    const float xj = ld(x + i);
+    const float xj = ld(y + i);
     st(x + i, xj - s.lr * (sign + s.wd * xj));
     float aj = 0.0f;
     if (!K1) {

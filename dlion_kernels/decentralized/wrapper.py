@@ -18,6 +18,16 @@ dtype, with no copy-in besides the send buffer.
 There is no ``optimizer.step()`` call: ``loss.backward()`` does everything; the end of backward
 (an autograd callback) flushes the engine (buckets whose gradients did not all arrive, the first
 iteration's buckets) and advances t.
+
+Fused mixing: steps 2 and 3 are one pass when the bucket's optimizer accepts sources
+(``dk.AccumAdamW`` / ``dk.AccumLion``: class attribute ``accepts_sources``) and the gossip is in
+the parameters' own dtype (``gossip_dtype`` "fp32"/None). The received buffer already holds the
+mixed parameters, so instead of copying it into them (a read of 4 and a write of 4 bytes per
+fp32 element, 2 * itemsize in general) its views are handed to ``optimizer.step(sources=...)``,
+whose kernel reads x from them and writes the stepped x to the parameters. The results are bit
+for bit those of copy-then-step. Parameters of the bucket without a gradient (skipped by the
+step) still get the copy. Any other optimizer, bf16 gossip, ``synchronize()`` and a bucket
+with no gossip in flight take the copy path.
 """
 
 from __future__ import annotations
@@ -46,6 +56,10 @@ class _BucketState:
         self.weight = 1.0      # 1 / |group| of the gossip in flight
         self.optimizer = None
         self.scheduler = None
+        # fused mixing (module docstring): param -> its view of the received buffer, and the
+        # ids of the params the optimizer owns; empty when the bucket cannot fuse
+        self.recv_views: dict = {}
+        self.owned: set = set()
 
 
 class DecentralizedDataParallel(torch.nn.Module):
@@ -104,6 +118,7 @@ class DecentralizedDataParallel(torch.nn.Module):
         self._callback_queued = False
         self._syncing = True
         self._pending_load: dict | None = None
+        self._fuse_mixing = True  # False: always copy, then step (tests compare the two paths)
         self.bytes_sent = 0  # gossip bytes this rank sent (ring all-reduce accounting)
         self._engine = BucketEngine(
             [p for p in module.parameters() if p.requires_grad], bucket_mb=bucket_mb,
@@ -157,6 +172,14 @@ class DecentralizedDataParallel(torch.nn.Module):
             st = _BucketState(bucket, [self._names.get(id(p), "?") for p in bucket.params])
             self._flatten(st)
             st.optimizer = self.optimizer_fn(list(bucket.params))
+            if getattr(st.optimizer, "accepts_sources", False):
+                st.owned = {id(p) for g in st.optimizer.param_groups for p in g["params"]}
+            if st.owned and self.gossip_dtype is None:
+                for p in bucket.params:
+                    flat = st.flats[p.dtype]
+                    offset = p.data_ptr() - flat.data_ptr()
+                    start = offset // flat.element_size()
+                    st.recv_views[p] = st.sends[p.dtype][start : start + p.numel()].view_as(p)
             if self.lr_scheduler_fn is not None:
                 st.scheduler = self.lr_scheduler_fn(st.optimizer)
             self._states[bucket.index] = st
@@ -186,8 +209,19 @@ class DecentralizedDataParallel(torch.nn.Module):
     @torch.no_grad()
     def _process(self, bucket: Bucket) -> None:
         st = self._state(bucket)
-        self._mix(st)
-        st.optimizer.step()
+        if st.works and st.recv_views and self._fuse_mixing:
+            self._wait(st)
+            # mixing fused into the step: x = step(recv) written to x; no copy of recv first
+            sources = {}
+            for p, view in st.recv_views.items():
+                if p.grad is not None and id(p) in st.owned:
+                    sources[p] = view
+                else:
+                    p.copy_(view)  # not stepped: still mixed
+            st.optimizer.step(sources=sources)
+        else:
+            self._mix(st)
+            st.optimizer.step()
         if st.scheduler is not None:
             st.scheduler.step()
         # The gradient is consumed (there is no optimizer.step() / zero_grad() for the user to
@@ -212,13 +246,16 @@ class DecentralizedDataParallel(torch.nn.Module):
             k = len(ranks)
             self.bytes_sent += int(2 * (k - 1) / k * send.numel() * send.element_size())
 
+    def _wait(self, st: _BucketState) -> None:
+        for w in st.works:
+            w.wait()
+        st.works = []
+
     @torch.no_grad()
     def _mix(self, st: _BucketState) -> None:
         if not st.works:
             return
-        for w in st.works:
-            w.wait()
-        st.works = []
+        self._wait(st)
         for dtype, flat in st.flats.items():
             recv = st.sends[dtype]
             if self.gossip_dtype is None:

@@ -6,12 +6,23 @@ and ``triton`` (``accum_triton.py``) backends; the ``torch`` backend is the read
 below, the oracle of the others.
 
     adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
-          accum_steps, step)
-    lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step)
+          accum_steps, step, sources=None)
+    lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step,
+         sources=None)
 
 ``step`` is the step count t >= 1 of every tensor of the call (the optimizers group tensors by
 it). Params and grads share a dtype (fp32, bf16 or fp16); accs, exp_avgs, exp_avg_sqs are fp32.
 Every grad is a tensor (the optimizers skip parameters without one).
+
+``sources`` (optional, a list as long as params; an entry None = the param itself): the step
+reads x from ``sources[i]`` instead of ``params[i]`` and writes the result to ``params[i]``; the
+source is not modified. Same shape, dtype and device as its param, contiguous, and either the
+param itself (today's in-place step) or overlapping no tensor the call writes (params, accs,
+exp_avgs, exp_avg_sqs). This fuses a copy x = y into the step: ``DecentralizedDataParallel``
+hands the received gossip buffer (the mixed parameters) as sources instead of copying it into
+the parameters first, which saves that copy pass: 2 * itemsize bytes per element (read 4 +
+write 4 = 8 bytes for fp32, 4 for bf16 / fp16). The step itself moves the same bytes either way
+(x is read from the source instead of the param).
 
 Per element, in fp32, in this order (one IEEE rounding per operation, no fused multiply-add).
 The scalars are computed in double on the host and rounded to fp32 once (``scalars``).
@@ -37,6 +48,7 @@ once), which saves 8 of 36 bytes per element of AccumAdamW; the result is identi
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -87,13 +99,16 @@ def _f32s(values: dict, device) -> dict:
 
 
 def adamw_reference(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
-                    weight_decay, accum_steps, step):
-    """AccumAdamW on each tensor, fp32, in the order of the module docstring."""
+                    weight_decay, accum_steps, step, sources=None):
+    """AccumAdamW on each tensor, fp32, in the order of the module docstring (x read from
+    ``sources[i]`` when given, written to ``params[i]``; xf is never updated in place, so a
+    source is not modified)."""
     K = int(accum_steps)
     flush = step % K == 0
-    for x, g, a, m, v in zip(params, grads, accs, exp_avgs, exp_avg_sqs):
+    sources = sources or [None] * len(params)
+    for x, y, g, a, m, v in zip(params, sources, grads, accs, exp_avgs, exp_avg_sqs):
         s = _f32s(adamw_scalars(lr, beta1, beta2, eps, weight_decay, K, step), x.device)
-        xf = x.reshape(-1).to(_F32)
+        xf = (x if y is None else y).reshape(-1).to(_F32)
         gf = g.reshape(-1).to(_F32)
         af, mf, vf = a.view(-1), m.view(-1), v.view(-1)
         xf = xf * s["decay"]
@@ -115,13 +130,15 @@ def adamw_reference(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, be
 
 
 def lion_reference(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay,
-                   accum_steps, step):
-    """AccumLion on each tensor, fp32, in the order of the module docstring."""
+                   accum_steps, step, sources=None):
+    """AccumLion on each tensor, fp32, in the order of the module docstring (x read from
+    ``sources[i]`` when given, written to ``params[i]``)."""
     K = int(accum_steps)
     flush = step % K == 0
-    for x, g, a, m in zip(params, grads, accs, exp_avgs):
+    sources = sources or [None] * len(params)
+    for x, y, g, a, m in zip(params, sources, grads, accs, exp_avgs):
         s = _f32s(lion_scalars(lr, beta1, beta2, weight_decay, K), x.device)
-        xf = x.reshape(-1).to(_F32)
+        xf = (x if y is None else y).reshape(-1).to(_F32)
         gf = g.reshape(-1).to(_F32)
         af, mf = a.view(-1), m.view(-1)
         c = s["b1"] * mf + s["omb1"] * gf
@@ -179,6 +196,54 @@ def check_lists(params, grads, states: dict) -> None:
                 raise ValueError(f"{name}[{i}] has {t.numel()} elements, params[{i}] {x.numel()}")
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def check_sources(sources, params, written) -> list:
+    """``sources`` as a list of tensors (None entries -> the param itself); raises before
+    anything runs. ``written``: every other tensor list the call writes. A source that is not
+    its param must overlap no written tensor (the kernels read and write in parallel)."""
+    if sources is None:
+        return list(params)
+    sources = list(sources)
+    if len(sources) != len(params):
+        raise ValueError(f"sources has {len(sources)} tensors, params has {len(params)}")
+    out, apart = [], []
+    for i, (y, x) in enumerate(zip(sources, params)):
+        if y is None or y is x:
+            out.append(x)
+            continue
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"sources[{i}] must be a tensor or None, got {type(y).__name__}")
+        if y.dtype != x.dtype or y.device != x.device or y.shape != x.shape:
+            raise TypeError(
+                f"sources[{i}] must have params[{i}]'s dtype, device and shape ({x.dtype}, "
+                f"{x.device}, {tuple(x.shape)}), got {y.dtype}, {y.device}, {tuple(y.shape)}"
+            )
+        if y.is_sparse or not y.is_contiguous():
+            raise ValueError(f"sources[{i}] must be a contiguous dense tensor")
+        out.append(y)
+        if y.numel() and y.data_ptr() != x.data_ptr():
+            apart.append(i)
+    if apart:
+        ranges = sorted(_byte_range(t) for ts in (params, *written) for t in ts if t.numel())
+        starts, ends, reach = [r[0] for r in ranges], [], 0
+        for _, end in ranges:
+            reach = max(reach, end)
+            ends.append(reach)  # the furthest end of any range starting at or before this one
+        for i in apart:
+            lo, hi = _byte_range(out[i])
+            j = bisect.bisect_left(starts, hi)
+            if j and ends[j - 1] > lo:
+                raise ValueError(
+                    f"sources[{i}] overlaps a tensor the step writes (params, accs or moments); "
+                    "a source must be its param or lie apart from them"
+                )
+    return out
+
+
 def _impl(backend: str):
     if backend == "torch":
         return None
@@ -208,17 +273,20 @@ def _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step, eps=None) ->
 
 
 def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
-          accum_steps, step, backend=None):
+          accum_steps, step, sources=None, backend=None):
     """One AccumAdamW step of every tensor (module docstring), in place, on ``backend`` (None:
-    ``$DLION_BACKEND`` or the best for the tensors' device)."""
+    ``$DLION_BACKEND`` or the best for the tensors' device). ``sources``: x read from there."""
     _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step, eps)
     check_lists(params, grads, {"accs": accs, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
+    # K = 1 never touches the accumulators, so they do not count as written
+    sources = check_sources(sources, params,
+                            (exp_avgs, exp_avg_sqs) + ((accs,) if accum_steps > 1 else ()))
     if not params:
         return
     name = backends.resolve(backend, params[0].device)
     impl = _impl(name)
     kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
-              "accum_steps": int(accum_steps), "step": int(step)}
+              "accum_steps": int(accum_steps), "step": int(step), "sources": sources}
     if impl is None:
         adamw_reference(params, grads, accs, exp_avgs, exp_avg_sqs, **kw)
     else:
@@ -226,16 +294,18 @@ def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, 
 
 
 def lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step,
-         backend=None):
-    """One AccumLion step of every tensor (module docstring), in place."""
+         sources=None, backend=None):
+    """One AccumLion step of every tensor (module docstring), in place. ``sources``: x read
+    from there."""
     _check_hyper(lr, beta1, beta2, weight_decay, accum_steps, step)
     check_lists(params, grads, {"accs": accs, "exp_avgs": exp_avgs})
+    sources = check_sources(sources, params, (exp_avgs,) + ((accs,) if accum_steps > 1 else ()))
     if not params:
         return
     name = backends.resolve(backend, params[0].device)
     impl = _impl(name)
     kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
-              "accum_steps": int(accum_steps), "step": int(step)}
+              "accum_steps": int(accum_steps), "step": int(step), "sources": sources}
     if impl is None:
         lion_reference(params, grads, accs, exp_avgs, **kw)
     else:

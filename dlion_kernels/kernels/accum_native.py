@@ -2,8 +2,8 @@
 (``csrc/cpu/accum_kernels.cpp``, ``csrc/cuda/accum_kernels.cu``).
 
 Each call is one kernel call for the whole list of tensors, through an *accum table*
-(``csrc/accum_common.h``): int64 ``[7, T]`` rows x, g, a, m, v, numel, first CUDA chunk, on the
-tensors' device. Tables are cached on their content, so a steady-state step (same tensors) builds
+(``csrc/accum_common.h``): int64 ``[8, T]`` rows x, g, a, m, v, numel, first CUDA chunk, y (the
+source x is read from: x itself, or ``sources[i]``), on the tensors' device. Tables are cached on their content, so a steady-state step (same tensors) builds
 and uploads nothing. The callers (``accum.py``) have checked dtypes, devices, sizes and
 contiguity.
 """
@@ -42,7 +42,7 @@ class _AccumBackend:
         self._tables: OrderedDict = OrderedDict()
 
     def _table(self, lists, k1: bool):
-        """(table tensor, tensors, chunks) of x, g, a, m, v (v may be None: AccumLion)."""
+        """(table tensor, tensors, chunks) of x, g, a, m, v, y (v may be None: AccumLion)."""
         numels = [x.numel() for x in lists[0]]
         ptrs = [[0 if ts is None or (k1 and r == 2) else t.data_ptr() for t in ts]
                 if ts is not None else [0] * len(numels) for r, ts in enumerate(lists)]
@@ -58,7 +58,7 @@ class _AccumBackend:
         for n in numels:
             first.append(chunks)
             chunks += -(-n // self._chunk) if self._chunk else 0
-        table = torch.tensor([*rows, numels, first], dtype=torch.int64).view(7, -1)
+        table = torch.tensor([*rows[:5], numels, first, rows[5]], dtype=torch.int64).view(8, -1)
         if self.cuda:
             table = table.to(lists[0][0].device)
         entry = (table, len(numels), chunks)
@@ -78,10 +78,11 @@ class _AccumBackend:
         return None
 
     def adamw(self, params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
-              weight_decay, accum_steps, step):
+              weight_decay, accum_steps, step, sources=None):
         device = self._device(params[0])
         k1 = accum_steps == 1
-        table, count, chunks = self._table((params, grads, accs, exp_avgs, exp_avg_sqs), k1)
+        table, count, chunks = self._table(
+            (params, grads, accs, exp_avgs, exp_avg_sqs, sources or params), k1)
         if count == 0:
             return
         s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step)
@@ -93,10 +94,11 @@ class _AccumBackend:
             self._C.cpu_accum_adamw(table.data_ptr(), count, code, *args, torch.get_num_threads())
 
     def lion(self, params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay,
-             accum_steps, step):
+             accum_steps, step, sources=None):
         device = self._device(params[0])
         k1 = accum_steps == 1
-        table, count, chunks = self._table((params, grads, accs, exp_avgs, None), k1)
+        table, count, chunks = self._table(
+            (params, grads, accs, exp_avgs, None, sources or params), k1)
         if count == 0:
             return
         s = lion_scalars(lr, beta1, beta2, weight_decay, accum_steps)

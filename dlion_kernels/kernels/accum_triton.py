@@ -27,27 +27,28 @@ from .triton import (
 
 
 @triton.jit
-def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base,
+def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base, y_base,
                   decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps,
                   K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
                   SOFT_BF16: tl.constexpr):
-    """One chunk of one tensor (accum.py):
-        x = x*decay ; a += g*inv_k ; mt = m + omb1*g ; vt = v + omb2*(g*g)
+    """One chunk of one tensor (accum.py), x read from y (x itself or a source):
+        x = y*decay ; a += g*inv_k ; mt = m + omb1*g ; vt = v + omb2*(g*g)
         x = x - step_size * (mt / (sqrt(vt)/bc2_sqrt + eps))
         flush: m = b1*(m + omb1*s) ; v = b2*(v + omb2*(s*s)) ; a = 0   (s = a, or g when K1)
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(prog_ptr + pid).to(tl.int64)
-    row = meta_ptr + t * 13  # x, g, a, m, v: (offset, present) each; numel, block, first
+    row = meta_ptr + t * 15  # x, g, a, m, v, y: (offset, present) each; numel, block, first
     x_ptr = x_base + tl.load(row)
     g_ptr = g_base + tl.load(row + 2)
     a_ptr = a_base + tl.load(row + 4)
     m_ptr = m_base + tl.load(row + 6)
     v_ptr = v_base + tl.load(row + 8)
-    numel = tl.load(row + 10)
-    offs = (pid - tl.load(row + 12)) * BLOCK + tl.arange(0, BLOCK)
+    y_ptr = y_base + tl.load(row + 10)
+    numel = tl.load(row + 12)
+    offs = (pid - tl.load(row + 14)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = _load_f32(x_ptr, offs, numel, True, SOFT_BF16)
+    x = _load_f32(y_ptr, offs, numel, True, SOFT_BF16)
     g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -70,25 +71,26 @@ def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base,
 
 
 @triton.jit
-def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base,
+def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, y_base,
                  lr, wd, inv_k, b1, omb1, b2, omb2,
                  K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
                  SOFT_BF16: tl.constexpr):
-    """One chunk of one tensor (accum.py):
-        c = b1*m + omb1*g ; x = x - lr*(sign(c) + wd*x) ; a += g*inv_k
+    """One chunk of one tensor (accum.py), x read from y (x itself or a source):
+        c = b1*m + omb1*g ; x = y - lr*(sign(c) + wd*y) ; a += g*inv_k
         flush: m = b2*m + omb2*s ; a = 0   (s = a, or g when K1)
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(prog_ptr + pid).to(tl.int64)
-    row = meta_ptr + t * 11  # x, g, a, m: (offset, present) each; numel, block, first
+    row = meta_ptr + t * 13  # x, g, a, m, y: (offset, present) each; numel, block, first
     x_ptr = x_base + tl.load(row)
     g_ptr = g_base + tl.load(row + 2)
     a_ptr = a_base + tl.load(row + 4)
     m_ptr = m_base + tl.load(row + 6)
-    numel = tl.load(row + 8)
-    offs = (pid - tl.load(row + 10)) * BLOCK + tl.arange(0, BLOCK)
+    y_ptr = y_base + tl.load(row + 8)
+    numel = tl.load(row + 10)
+    offs = (pid - tl.load(row + 12)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = _load_f32(x_ptr, offs, numel, True, SOFT_BF16)
+    x = _load_f32(y_ptr, offs, numel, True, SOFT_BF16)
     g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     c = b1 * m + omb1 * g
@@ -107,7 +109,9 @@ def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base,
         tl.store(m_ptr + offs, b2 * m + omb2 * src, mask=mask)
 
 
-def _launch(kind, kernel, lists, scalars, k1, flush):
+def _launch(kind, kernel, lists, dtypes, scalars, k1, flush):
+    """``lists``: x, g, a, m[, v], y; ``dtypes``: each list's element dtype (for the pointer of
+    an absent list)."""
     params = lists[0]
     device = params[0].device
     numels = tuple(x.numel() for x in params)
@@ -121,7 +125,7 @@ def _launch(kind, kernel, lists, scalars, k1, flush):
         bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
         # An absent list (K = 1 accumulators) is never touched: any typed fp32 pointer will do.
         bases = [b if b.dtype == ref_dtype else lists[3][base_index[3]]
-                 for b, ref_dtype in zip(bases, [params[0].dtype] * 2 + [torch.float32] * 3)]
+                 for b, ref_dtype in zip(bases, dtypes)]
         meta, prog = _in_use(meta, prog)
         with _on(device):
             kernel[(programs,)](
@@ -132,17 +136,21 @@ def _launch(kind, kernel, lists, scalars, k1, flush):
 
 
 def adamw(params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
-          accum_steps, step):
+          accum_steps, step, sources=None):
     k1 = accum_steps == 1
     s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step)
     accs = [None] * len(params) if k1 else accs
-    _launch("accum_adamw", _adamw_kernel, (params, grads, accs, exp_avgs, exp_avg_sqs),
+    p, f = params[0].dtype, torch.float32
+    _launch("accum_adamw", _adamw_kernel,
+            (params, grads, accs, exp_avgs, exp_avg_sqs, sources or params), (p, p, f, f, f, p),
             [s[k] for k in ADAMW_SCALARS], k1, step % accum_steps == 0)
 
 
-def lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step):
+def lion(params, grads, accs, exp_avgs, *, lr, beta1, beta2, weight_decay, accum_steps, step,
+         sources=None):
     k1 = accum_steps == 1
     s = lion_scalars(lr, beta1, beta2, weight_decay, accum_steps)
     accs = [None] * len(params) if k1 else accs
-    _launch("accum_lion", _lion_kernel, (params, grads, accs, exp_avgs), [s[k] for k in LION_SCALARS], k1,
-            step % accum_steps == 0)
+    p, f = params[0].dtype, torch.float32
+    _launch("accum_lion", _lion_kernel, (params, grads, accs, exp_avgs, sources or params),
+            (p, p, f, f, p), [s[k] for k in LION_SCALARS], k1, step % accum_steps == 0)

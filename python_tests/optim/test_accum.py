@@ -160,3 +160,75 @@ def test_bad_hyperparameters(cls, kwargs, match):
 def test_integer_params_rejected():
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         dk.AccumAdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cls", [dk.AccumAdamW, dk.AccumLion])
+def test_step_with_sources_is_copy_then_step(cls, dtype, backend):
+    """step(sources={p: y}) (the decentralized wrapper's fused mixing) equals p.copy_(y) then
+    step() bit for bit over 6 steps, with a StepLR scheduler (no order warning: the scheduler
+    sees an ordinary step); y is not modified; a parameter without a gradient ignores its
+    source and is not touched."""
+    import warnings
+
+    fused, plain = _model(dtype=dtype), _model(dtype=dtype)
+    idle = [torch.nn.Parameter(torch.randn(7).to(dtype)) for _ in range(2)]
+    idle[1].data.copy_(idle[0].detach())
+    opts = [cls([*m.parameters(), q], lr=1e-2, weight_decay=0.05, accum_steps=2, backend=backend)
+            for m, q in ((fused, idle[0]), (plain, idle[1]))]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+    gen = torch.Generator().manual_seed(3)
+    idle0 = idle[0].detach().clone()
+    for _ in range(6):
+        x = torch.randn(16, 13, generator=gen).to(dtype)
+        y = torch.randn(16, 5, generator=gen).to(dtype)
+        numel = sum(p.numel() for p in fused.parameters()) + 7
+        recv = torch.randn(numel, generator=gen).to(dtype)
+        recv0, views, offset = recv.clone(), [], 0
+        for p in [*fused.parameters(), idle[0]]:
+            views.append(recv[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        for m, opt in zip((fused, plain), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        for p, v in zip(plain.parameters(), views):
+            with torch.no_grad():
+                p.copy_(v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opts[0].step(sources=dict(zip([*fused.parameters(), idle[0]], views)))
+            opts[1].step()
+            for s in scheds:
+                s.step()
+        assert torch.equal(recv, recv0)
+        for p, q in zip(fused.parameters(), plain.parameters()):
+            assert torch.equal(p, q)
+    assert torch.equal(idle[0].detach(), idle0) and len(opts[0].state[idle[0]]) == 0
+    assert opts[0].param_groups[0]["lr"] == opts[1].param_groups[0]["lr"] < 1e-2
+
+
+@pytest.mark.parametrize("cls", [dk.AccumAdamW, dk.AccumLion])
+def test_bad_sources_modify_nothing(cls):
+    a, b = torch.nn.Parameter(torch.randn(31)), torch.nn.Parameter(torch.randn(33))
+    opt = cls([a, b], lr=1e-2, accum_steps=2)
+    a.grad, b.grad = torch.randn(31), torch.randn(33)
+    opt.step()
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    state0 = copy.deepcopy(opt.state_dict())
+    stranger = torch.nn.Parameter(torch.randn(31))
+    cases = [
+        (TypeError, [torch.randn(31)], "mapping"),
+        (ValueError, {stranger: torch.randn(31)}, "not a parameter"),
+        (TypeError, {a: torch.randn(31, dtype=torch.float64)}, "sources"),
+        (ValueError, {a: b.detach()[:31]}, "overlaps"),  # b is written by the same step
+        (ValueError, {a: opt.state[b]["exp_avg"][:31]}, "overlaps"),
+    ]
+    for error, sources, match in cases:
+        with pytest.raises(error, match=match):
+            opt.step(sources=sources)
+        assert torch.equal(a.detach(), a0) and torch.equal(b.detach(), b0)
+        sd = opt.state_dict()
+        for i in (0, 1):
+            assert sd["state"][i]["step"] == state0["state"][i]["step"]
+            assert torch.equal(sd["state"][i]["exp_avg"], state0["state"][i]["exp_avg"])
