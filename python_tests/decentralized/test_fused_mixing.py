@@ -45,16 +45,16 @@ class _CountingAdamW(dk.AccumAdamW):
 
 def _variants():
     return {
-        "adamw-k1": dict(opt=lambda ps: _CountingAdamW(ps, lr=1e-2, accum_steps=1)),
-        "adamw-k4-sched": dict(
-            opt=lambda ps: _CountingAdamW(ps, lr=1e-2, weight_decay=0.1, accum_steps=4),
-            sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
-        "lion-k2-clip": dict(
-            opt=lambda ps: dk.AccumLion(ps, lr=3e-3, weight_decay=0.1, accum_steps=2),
-            clip=0.5),
-        "lion-k1-torch": dict(opt=lambda ps: dk.AccumLion(ps, lr=3e-3, backend="torch")),
-        "adamw-k2-bf16": dict(opt=lambda ps: dk.AccumAdamW(ps, lr=1e-2, accum_steps=2),
-                              dtype=torch.bfloat16),
+        "adamw-k1": {"opt": lambda ps: _CountingAdamW(ps, lr=1e-2, accum_steps=1)},
+        "adamw-k4-sched": {
+            "opt": lambda ps: _CountingAdamW(ps, lr=1e-2, weight_decay=0.1, accum_steps=4),
+            "sched": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)},
+        "lion-k2-clip": {
+            "opt": lambda ps: dk.AccumLion(ps, lr=3e-3, weight_decay=0.1, accum_steps=2),
+            "clip": 0.5},
+        "lion-k1-torch": {"opt": lambda ps: dk.AccumLion(ps, lr=3e-3, backend="torch")},
+        "adamw-k2-bf16": {"opt": lambda ps: dk.AccumAdamW(ps, lr=1e-2, accum_steps=2),
+                          "dtype": torch.bfloat16},
     }
 
 
