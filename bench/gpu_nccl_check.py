@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:  # alone: a one-rank group on this machine
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rows, failed = [], False
