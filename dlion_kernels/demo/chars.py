@@ -16,7 +16,9 @@ text (a global batch of 8 n windows drawn from a generator seeded by the seed an
 so every strategy sees the same data); the validation loss is the mean cross entropy over
 ``--eval-windows 64`` fixed windows of the validation text after ``--iters 120`` iterations.
 These sizes are chosen so that the whole comparison (8 strategies x 3 seeds on 4 workers) runs
-in about 4 minutes on an idle 2-core machine; larger ones train further but take longer.
+in about 4 minutes on an idle 2-core machine: one worker's iteration costs about 28 ms of CPU
+(1 thread), so 4 workers on 2 cores take about 60-70 ms per iteration with the exchange, about
+8 s per run, 24 runs. Larger sizes train further but take longer.
 
 Strategies (rows; ``--strategies`` picks some), each from the same initial weights per seed:
 
