@@ -16,7 +16,9 @@ text (a global batch of 8 n windows drawn from a generator seeded by the seed an
 so every strategy sees the same data); the validation loss is the mean cross entropy over
 ``--eval-windows 64`` fixed windows of the validation text after ``--iters 120`` iterations.
 These sizes are chosen so that the whole comparison (8 strategies x 3 seeds on 4 workers) runs
-in about 4 minutes on an idle 2-core machine; larger ones train further but take longer.
+in about 4 minutes on an idle 2-core machine: one worker's iteration costs about 28 ms of CPU
+(1 thread), so 4 workers on 2 cores take about 60-70 ms per iteration with the exchange, about
+8 s per run, 24 runs. Larger sizes train further but take longer.
 
 Strategies (rows; ``--strategies`` picks some), each from the same initial weights per seed:
 
@@ -83,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--lion-lr", type=float, default=1e-3)
+    ap.add_argument("--lion-lr", type=float, default=3e-3, help="D-Lion (seed 0, the "
+                    "default sizes: 3e-3 reached validation loss 2.28, 1e-3 2.49; AdamW 2.30)")
     ap.add_argument("--adamw-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=1e-2)
     ap.add_argument("--backend", default=None, help="dlion_kernels backend (default: auto)")
