@@ -1,4 +1,5 @@
-"""bench_soak.py --smoke runs to the end within the leak limits (pytest -m bench)."""
+"""bench_soak.py --smoke runs both phases (DistributedLion, decentralized) to the end within the
+leak limits (pytest -m bench)."""
 
 import json
 import os
@@ -18,6 +19,8 @@ def test_soak_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "soak.json").read_text())
     assert data["metadata"]["ok"] and data["metadata"]["ranks"] == 2
+    assert [(row["strategy"], row["rank"]) for row in data["rows"]] == [
+        ("dlion", 0), ("dlion", 1), ("decentralized", 0), ("decentralized", 1)]
     for row in data["rows"]:
         assert row["fds_growth_pct"] <= 1.0 and row["threads_growth_pct"] <= 1.0
         assert row["rss_kb_growth_pct"] <= 1.0

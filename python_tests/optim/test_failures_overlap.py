@@ -59,7 +59,7 @@ def worker(rank, n, group, steps, variant):
         x = torch.randn(4, 8, generator=gen)
         opt.zero_grad(set_to_none=True)
         before = snapshot(opt, params)
-        seen = attempt([("backward", lambda: net(x).square().mean().backward()),
+        seen = attempt([("backward", lambda x=x: net(x).square().mean().backward()),
                         ("step", opt.step)])
         if seen is not None:
             return dict(seen, before=before, now=snapshot(opt, params), completed=completed,
