@@ -220,7 +220,7 @@ class DecentralizedDataParallel(torch.nn.Module):
             return
         st.weight = 1.0 / len(ranks)
         st.launched = self.iteration
-        k = st.bucket.index
+        index = st.bucket.index
         for dtype, flat in st.flats.items():
             send = st.sends[dtype]
             if send.dtype == flat.dtype:
@@ -228,9 +228,10 @@ class DecentralizedDataParallel(torch.nn.Module):
             else:
                 send.copy_(flat.float() * st.weight)
             st.works.append(collective(
-                f"all_reduce(gossip, bucket {k})", self.iteration, dist.all_reduce, send,
+                f"all_reduce(gossip, bucket {index})", self.iteration, dist.all_reduce, send,
                 group=pg, async_op=True, label=_LABEL,
-                applied=f"bucket {k} of this rank finished this iteration, later buckets did not"))
+                applied=f"bucket {index} of this rank finished this iteration, later buckets "
+                "did not"))
             k = len(ranks)
             self.bytes_sent += int(2 * (k - 1) / k * send.numel() * send.element_size())
 

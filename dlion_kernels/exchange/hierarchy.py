@@ -27,9 +27,11 @@ One step on rank r (local rank l, node k):
    model): packed votes of the shard;
 4. the two-phase vote exchange of ``pipeline.py`` (one bucket: the shard; all_to_all with the
    [flag, step] header, tally, all_gather) on the inter-node group with the N nodes as voters;
-   then the momentum shard is updated (m = b2 m + (1 - b2) g);
-5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element),
-   then every rank applies the full aggregate to all of its parameters with n = N.
+5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element);
+   only then, after the step's last collective, the momentum shard is updated
+   (m = b2 m + (1 - b2) g) and every rank applies the full aggregate to all of its parameters
+   with n = N. A peer that dies in any collective leaves this rank's state as it was
+   (``DistributedStepError`` naming the step and the collective, ``collectives.py``).
 
 Step 5 gathers the packed aggregate instead of the updated parameters: it moves P_out bits per
 element inside the node instead of 16 or 32, needs no parameter workspace for mixed dtypes, and

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.bench
 def test_soak_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_soak.py"),
                            "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+                          timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "soak.json").read_text())
     assert data["metadata"]["ok"] and data["metadata"]["ranks"] == 2

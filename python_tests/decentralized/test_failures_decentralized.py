@@ -22,6 +22,7 @@ import torch.distributed as dist
 from faults import Fault, attempt, run_with_fault
 
 import dlion_kernels as dk
+from dlion_kernels.exchange.collectives import group_timeout
 
 PG_TIMEOUT = 5.0  # seconds: DecentralizedDataParallel(timeout=), also its subgroups' timeout
 MARGIN = 15.0
@@ -53,7 +54,9 @@ def worker(rank, n, group, iterations, topology, final, aligned=FAULT_ITER):
     def out(**kwargs):
         index = {id(p): i for i, p in enumerate(params)}
         buckets = [[index[id(p)] for p in o.param_groups[0]["params"]] for o in ddp.optimizers]
-        return dict(after=after, buckets=buckets, **kwargs)
+        # the ring's pair groups: made with timeout= (not gloo's 30 minutes)
+        timeouts = [group_timeout(ddp.topology.group_at(t)[1]).total_seconds() for t in (0, 1)]
+        return dict(after=after, buckets=buckets, timeouts=timeouts, **kwargs)
 
     for t in range(iterations):
         if t <= aligned:
@@ -87,6 +90,7 @@ def healthy():
     for res in results:
         assert res["error"] is None, res["error"]
         assert len(res["after"]) == ITERATIONS
+        assert res["timeouts"] == [PG_TIMEOUT, PG_TIMEOUT]
         assert len(res["buckets"]) == BUCKETS and all(len(b) == 1 for b in res["buckets"])
     return results
 

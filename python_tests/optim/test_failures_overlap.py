@@ -7,6 +7,10 @@ were (the applies run only after the step's last collective).
 Real gloo processes (faults.py); every run is bounded and kills all its processes at the end.
 """
 
+import copy
+import datetime
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,3 +98,20 @@ def test_dead_or_stalled_rank_overlap_n3(variant, action, point, occurrence, nam
     expected = DDP_BUCKETS if variant == "ddp" else BUCKETS
     for r in (0, 2):  # the fault hit the bucket layout the case was written for
         assert results[r]["buckets"][-1] == expected, results[r]["buckets"]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "5", True, datetime.timedelta(0)])
+def test_timeout_option_checked(bad):
+    """timeout= of DistributedLion and DecentralizedDataParallel: None, seconds > 0 or a
+    timedelta; anything else is a ValueError naming it, before anything is built."""
+    model = _mlp()
+    with pytest.raises(ValueError, match="timeout"):
+        dk.DistributedLion(model.parameters(), timeout=bad)
+    with pytest.raises(ValueError, match="timeout"):
+        dk.DecentralizedDataParallel(model, lambda ps: dk.AccumAdamW(ps), timeout=bad)
+
+
+def test_timeout_option_survives_copies():
+    opt = dk.DistributedLion(_mlp().parameters(), timeout=7.5)
+    assert copy.deepcopy(opt).timeout == 7.5
+    assert pickle.loads(pickle.dumps(opt)).timeout == 7.5
