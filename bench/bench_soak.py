@@ -1,15 +1,22 @@
-"""Soak: many DistributedLion steps on gloo ranks, watching for leaks.
+"""Soak: many training steps on gloo ranks, watching for leaks, in two phases.
 
-    python bench/bench_soak.py                    # 4 ranks, 2000 steps
-    python bench/bench_soak.py --smoke --out DIR  # 2 ranks, 120 steps (CI, pytest -m bench)
+    python bench/bench_soak.py                    # 4 ranks, 2000 steps of each phase
+    python bench/bench_soak.py --strategy decentralized   # one phase only
+    python bench/bench_soak.py --smoke --out DIR  # 2 ranks, 120 steps of each (CI, -m bench)
+
+Phases (``--strategy``, default ``all``: one after the other, each on fresh processes):
+
+- ``dlion``: DistributedLion, one exchange per step;
+- ``decentralized``: DecentralizedDataParallel with AccumAdamW on the ring topology (gossip
+  all-reduces in flight across iterations, one bucket engine, several buckets), synchronize()
+  before each save.
 
 Each rank trains a small MLP on random data with its own batches, calls dk.save_state every
 --save-every steps (so checkpoint files and descriptors are part of the soak), and samples its
 resident memory (VmRSS), open file descriptors (/proc/self/fd) and thread count every
 --sample-every steps. After the warm-up (the first --warmup steps) each may grow by at most
 --max-growth percent over its value at the end of the warm-up. Writes soak.json, soak.md and
-the samples as soak.csv; exits 1 if a limit is exceeded. Decentralized training is not soaked
-here (not in this tree yet).
+the samples as soak.csv (one row per phase and rank); exits 1 if a limit is exceeded.
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ def _proc_status() -> dict:
     return dict(rss_kb=out["VmRSS"], threads=out["Threads"], fds=len(os.listdir("/proc/self/fd")))
 
 
-def _rank(rank, n, args, store, ckpt_dir, queue):
+STRATEGIES = ("dlion", "decentralized")
+
+
+def _rank(rank, n, args, strategy, store, ckpt_dir, queue):
     import dlion_kernels as dk
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
@@ -47,27 +57,43 @@ def _rank(rank, n, args, store, ckpt_dir, queue):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.GELU(),
                                 torch.nn.Linear(args.hidden, 10))
-    opt = dk.DistributedLion(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    if strategy == "dlion":
+        opt = dk.DistributedLion(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        net, saved = model, opt
+    else:
+        # 4 KiB buckets: two (one per layer), so one bucket's gossip is in flight while the
+        # next one steps (the engine's per-bucket path is soaked, not a single flush)
+        net = dk.DecentralizedDataParallel(
+            model, lambda params: dk.AccumAdamW(params, lr=1e-3, weight_decay=1e-2),
+            topology="ring", bucket_mb=1 / 256)
+        opt, saved = None, net
     gen = torch.Generator().manual_seed(rank)
     samples, losses = [], []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x = torch.randn(32, 64, generator=gen)
         y = torch.randint(0, 10, (32,), generator=gen)
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()  # decentralized: the buckets' steps and gossip happen here
+        if opt is not None:
+            opt.step()
         losses.append(loss.item())
         if step % args.save_every == 0:
-            dk.save_state(opt, ckpt_dir)
+            if opt is None:
+                net.synchronize()  # in-flight gossip is not part of the saved state
+            dk.save_state(saved, ckpt_dir)
         if step % args.sample_every == 0 or step == 1:
-            samples.append(dict(rank=rank, step=step, **_proc_status()))
+            samples.append(dict(strategy=strategy, rank=rank, step=step, **_proc_status()))
     wall = time.perf_counter() - start
+    if opt is None:
+        net.synchronize()
     ckpt_files = len(os.listdir(ckpt_dir))
     dist.barrier()
-    queue.put(dict(rank=rank, samples=samples, wall_s=wall, first_loss=sum(losses[:50]) / 50,
-                   last_loss=sum(losses[-50:]) / 50, ckpt_files=ckpt_files))
+    queue.put(dict(strategy=strategy, rank=rank, samples=samples, wall_s=wall,
+                   first_loss=sum(losses[:50]) / 50, last_loss=sum(losses[-50:]) / 50,
+                   ckpt_files=ckpt_files))
     dist.destroy_process_group()
     common.exit_worker(queue)
 
@@ -89,7 +115,9 @@ def main(argv=None):
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--max-growth", type=float, default=1.0, help="percent")
-    ap.add_argument("--smoke", action="store_true", help="2 ranks, 120 steps")
+    ap.add_argument("--strategy", choices=("all",) + STRATEGIES, default="all",
+                    help="which phase(s) to soak (all: dlion, then decentralized)")
+    ap.add_argument("--smoke", action="store_true", help="2 ranks, 120 steps per phase")
     ap.add_argument("--out", default=None, help="folder for soak.json/.md/.csv")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -98,24 +126,29 @@ def main(argv=None):
     out = args.out or os.path.join("bench", "results", f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
 
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store, ckpt = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt")
-        procs = [ctx.Process(target=_rank, args=(r, args.ranks, args, store, ckpt, queue))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        results = [queue.get(timeout=3600) for _ in procs]
-        for p in procs:
-            p.join(60)
-    results.sort(key=lambda r: r["rank"])
+    results = []
+    for strategy in strategies:  # each phase on fresh processes and a fresh checkpoint folder
+        queue = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            store, ckpt = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt")
+            procs = [ctx.Process(target=_rank,
+                                 args=(r, args.ranks, args, strategy, store, ckpt, queue))
+                     for r in range(args.ranks)]
+            for p in procs:
+                p.start()
+            phase = [queue.get(timeout=3600) for _ in procs]
+            for p in procs:
+                p.join(60)
+        results += sorted(phase, key=lambda r: r["rank"])
 
     rows, ok = [], True
     for r in results:
-        row = dict(rank=r["rank"], wall_s=round(r["wall_s"], 1), first_loss=r["first_loss"],
-                   last_loss=r["last_loss"], ckpt_files=r["ckpt_files"])
+        row = dict(strategy=r["strategy"], rank=r["rank"], wall_s=round(r["wall_s"], 1),
+                   first_loss=r["first_loss"], last_loss=r["last_loss"],
+                   ckpt_files=r["ckpt_files"])
         for key in ("rss_kb", "fds", "threads"):
             base, end, peak, pct = _growth(r["samples"], args.warmup, key)
             row.update({f"{key}_warm": base, f"{key}_end": end, f"{key}_peak": peak,
@@ -128,26 +161,31 @@ def main(argv=None):
                 date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
                 python=platform.python_version(), cpus=os.cpu_count(),
                 loadavg_before=load_before, loadavg_after=os.getloadavg(), ranks=args.ranks,
-                steps=args.steps, warmup=args.warmup, max_growth_pct=args.max_growth, ok=ok)
+                steps=args.steps, warmup=args.warmup, max_growth_pct=args.max_growth,
+                strategies=list(strategies), ok=ok)
     with open(os.path.join(out, "soak.json"), "w") as f:
         json.dump(dict(metadata=meta, rows=rows, samples=[r["samples"] for r in results]), f,
                   indent=1)
     with open(os.path.join(out, "soak.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["rank", "step", "rss_kb", "fds", "threads"])
+        w = csv.DictWriter(f, fieldnames=["strategy", "rank", "step", "rss_kb", "fds",
+                                          "threads"])
         w.writeheader()
         for r in results:
             w.writerows(r["samples"])
-    lines = [f"Soak: {args.steps} DistributedLion steps on {args.ranks} gloo ranks, "
+    names = dict(dlion="DistributedLion", decentralized="decentralized (ring, AccumAdamW)")
+    lines = [f"Soak: {args.steps} steps of each of "
+             f"{', '.join(names[s] for s in strategies)} on {args.ranks} gloo ranks, "
              f"save_state every {args.save_every}; growth measured after step {args.warmup} "
              f"(limit {args.max_growth}%). Load average before/after: "
              f"{load_before[0]:.1f} / {meta['loadavg_after'][0]:.1f} on {os.cpu_count()} CPUs.",
              "",
-             "| rank | RSS MB warm -> end (peak) | growth | fds warm -> end | threads warm -> end "
-             "| loss first 50 -> last 50 | wall s |",
-             "|---|---|---|---|---|---|---|"]
+             "| phase | rank | RSS MB warm -> end (peak) | growth | fds warm -> end "
+             "| threads warm -> end | loss first 50 -> last 50 | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['rank']} | {r['rss_kb_warm'] / 1024:.1f} -> {r['rss_kb_end'] / 1024:.1f} "
+            f"| {r['strategy']} | {r['rank']} | {r['rss_kb_warm'] / 1024:.1f} -> "
+            f"{r['rss_kb_end'] / 1024:.1f} "
             f"({r['rss_kb_peak'] / 1024:.1f}) | {r['rss_kb_growth_pct']:.2f}% | "
             f"{r['fds_warm']} -> {r['fds_end']} | {r['threads_warm']} -> {r['threads_end']} | "
             f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['wall_s']} |")

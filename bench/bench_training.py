@@ -29,8 +29,10 @@ or that does not fit the layout is listed with ``status = "skipped"`` and the re
 
 The model: ``--depth`` x (Linear(width, width) + GELU), 24 x 1024 = 25.2M fp32 parameters by
 default, MSE on generated data (one fixed batch per rank, different per rank). One step: [optional
-jitter sleep], forward, backward, ``opt.step()``; each rep starts at a barrier. Timed phases per
-rank: fwd, bwd (includes what DDP / overlap communication the backward waits for), opt.
+jitter sleep], forward, backward, ``opt.step()``. The warm-up steps and the first timed step start
+at a barrier; the timed steps then run back to back, and a step's time is from its start to the
+next one's (the last: to the end of any outstanding gossip plus a barrier), so traffic that
+crosses a step boundary is paid where it is waited for. Timed phases per rank: fwd, bwd (includes what DDP / overlap communication the backward waits for), opt.
 ``--jitter-ms J`` adds a uniform random 0..J ms sleep per rank per step before the forward (a
 straggler model for the decentralized / runtime-model experiments).
 
@@ -310,13 +312,14 @@ def worker(cfg_path: str) -> None:
         y = torch.randn(case["batch"], width, generator=gen)
         jit = random.Random(7919 * rank + case["index"])
         reps, warmup = cfg["reps"], cfg["warmup"]
-        times = []  # per rep: step, fwd, bwd, opt (s)
+        times = []  # per rep: start, fwd, bwd, opt (s); the start becomes the cycle below
         wire0 = 0
         for i in range(warmup + reps):
             if i == warmup:
                 dist.barrier()
                 wire0 = tx_bytes() if local_rank == 0 else 0
-            dist.barrier()
+            if i <= warmup:
+                dist.barrier()  # warm-up steps and the first timed one start together
             t0 = time.perf_counter()
             if case["jitter_ms"] > 0:
                 time.sleep(jit.uniform(0, case["jitter_ms"]) / 1e3)
@@ -332,11 +335,19 @@ def worker(cfg_path: str) -> None:
                 opt.step()
             t3 = time.perf_counter()
             if i >= warmup:
-                times.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
-        dist.barrier()
-        wire = (tx_bytes() - wire0) if local_rank == 0 else 0
+                times.append([t0, t1 - t0, t2 - t1, t3 - t2])
+        # The timed steps run back to back: a step's time is from its start to the next one's
+        # (the last one's: to the end of the outstanding gossip and a barrier). Per-step
+        # barriers would hide traffic that crosses the step boundary (decentralized gossip
+        # drains on the link while a barrier waits behind it).
         if hasattr(holder, "synchronize"):
             holder.synchronize()  # decentralized: finish the outstanding gossip
+        dist.barrier()
+        t_end = time.perf_counter()
+        starts = [t[0] for t in times] + [t_end]
+        for k, t in enumerate(times):
+            t[0] = starts[k + 1] - starts[k]
+        wire = (tx_bytes() - wire0) if local_rank == 0 else 0
         # DDP variants step a local Lion on a one-rank group: its stats say 0 bytes, not DDP's
         stats = (None if case["variant"].startswith("ddp_") or case["variant"] == "hier_fp32"
                  else getattr(opt, "last_stats", None) or getattr(holder, "last_stats", None))
@@ -663,7 +674,8 @@ def main(argv=None) -> int:
         notes = [
             f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
             "compare every variant with no_comm of the same configuration, not across n",
-            "step time = median over reps of the slowest rank (each rep starts at a barrier)",
+            "step time = median over reps of the slowest rank; reps run back to back (a step "
+            "lasts from its start to the next one's)",
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
             "veth",
             "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "

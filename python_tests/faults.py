@@ -14,7 +14,8 @@ machine is not mistaken for a stall. Workers may also warm up on the default gro
 
 - ``"before:<name>"`` / ``"after:<name>"``: just before / after the collective called
   ``<name>`` (the names ``dlion_kernels.exchange.collectives.collective`` is given, e.g.
-  ``all_to_all_single(votes)``, ``all_gather(aggregate)``);
+  ``all_to_all_single(votes)``, ``all_gather(aggregate)``), at its ``occurrence``-th call in
+  the step (1 = the first; buckets of an overlapped step call the same names in turn);
 - ``"apply"``: after the first ``apply`` launch of the step (so in the middle of applying when the
   step has several launches, e.g. several param groups).
 
@@ -45,6 +46,7 @@ class Fault:
     step: int
     point: str  # "before:<collective>" | "after:<collective>" | "apply"
     action: str = "kill"  # "kill" | "stop"
+    occurrence: int = 1  # fire at the k-th call of that collective in the step (buckets)
 
 
 def _fire(action: str) -> None:
@@ -59,13 +61,18 @@ def _arm(fault: Fault) -> None:
 
     original = collectives.collective
     current = {"step": None}
+    calls: dict = {}
 
     def collective(name, step, fn, *args, **kwargs):
         current["step"] = step
-        if step == fault.step and fault.point == f"before:{name}":
+        here = step == fault.step and fault.point.partition(":")[2] == name
+        if here:
+            calls[name] = calls.get(name, 0) + 1
+            here = calls[name] == fault.occurrence
+        if here and fault.point == f"before:{name}":
             _fire(fault.action)
         work = original(name, step, fn, *args, **kwargs)  # async_op=True: the started Work
-        if step == fault.step and fault.point == f"after:{name}":
+        if here and fault.point == f"after:{name}":
             _fire(fault.action)
         return work
 
@@ -159,3 +166,65 @@ def run_with_fault(n: int, worker, fault: Fault | None, *args, pg_timeout: float
     if problems:
         raise RuntimeError("fault run failed\n" + "\n".join(problems))
     return [None if res is None else res[1] for res in results]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def snapshot(opt, params) -> tuple[list, list]:
+    """Clones of ``params`` and of their momenta in ``opt`` (None before a parameter's first
+    step)."""
+    moms = [opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else None
+            for p in params]
+    return [p.detach().clone() for p in params], moms
+
+
+def attempt(calls) -> dict | None:
+    """Run ``calls`` ([(where, fn), ...]) in order; at a ``DistributedStepError`` return what it
+    said, where and how long that call took; None when every call returned."""
+    import dlion_kernels as dk
+
+    for where, fn in calls:
+        start = time.monotonic()
+        try:
+            fn()
+        except dk.DistributedStepError as e:
+            return dict(error=str(e), step=e.step, collective=e.collective, where=where,
+                        elapsed=time.monotonic() - start)
+    return None
+
+
+def check_survivors(results, fault: Fault, n: int, *, steps, names, limit: float,
+                    where=None) -> None:
+    """Every survivor raised DistributedStepError at one of ``steps`` naming one of ``names``
+    (the message names both), within ``limit`` seconds of the call that raised (in ``where``,
+    if given); the failing step left its parameters and momenta exactly as before (all before),
+    and the steps completed before it agree bit for bit between survivors (all after).
+
+    A survivor's result: dict(error, step, collective, where, elapsed, before, now, completed)
+    with ``before``/``now`` snapshots (``snapshot``) and ``completed`` the parameters after each
+    completed step."""
+    import torch
+
+    survivors = [r for r in range(n) if r != fault.rank]
+    assert results[fault.rank] is None  # the victim never got to report
+    for r in survivors:
+        res = results[r]
+        assert res["error"] is not None, f"rank {r} finished without noticing the dead peer"
+        assert res["step"] in steps, (r, res["step"], res["error"])
+        assert res["collective"] in names, (r, res["collective"], res["error"])
+        assert f"step {res['step']}:" in res["error"] and res["collective"] in res["error"]
+        assert res["elapsed"] < limit, (r, res["elapsed"])
+        if where is not None:
+            assert res["where"] in where, (r, res["where"], res["error"])
+        for a, b in zip(res["now"][0], res["before"][0], strict=True):
+            assert torch.equal(a, b), f"rank {r}: a parameter moved in the failed step"
+        for a, b in zip(res["now"][1], res["before"][1], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), \
+                f"rank {r}: a momentum moved in the failed step"
+        assert len(res["completed"]) == res["step"], (r, len(res["completed"]), res["step"])
+    first = results[survivors[0]]["completed"]
+    for r in survivors[1:]:
+        for mine, theirs in zip(results[r]["completed"], first):
+            for a, b in zip(mine, theirs, strict=True):
+                assert torch.equal(a, b), f"rank {r} disagrees on a completed step"

@@ -23,8 +23,11 @@ import os
 
 import torch.distributed as dist
 
+from ..exchange.collectives import as_timedelta, new_group
+
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
-_GROUPS: dict = {}  # (id of the default group, global ranks) -> (default group, subgroup)
+# (id of the default group, global ranks, timeout) -> (default group, subgroup)
+_GROUPS: dict = {}
 
 
 def _log2_exact(value: int) -> int | None:
@@ -112,11 +115,13 @@ class Topology:
     All subgroups are created in the constructor, which every rank of the default group must
     call with the same arguments (``dist.new_group`` is collective over the whole world, also for
     a subgroup ``group``). Created groups are cached per process, so several topologies share
-    them."""
+    them. Their timeout is ``timeout`` (seconds or a timedelta) or else the default group's
+    (``dist.new_group`` alone would give the backend's 30 minutes)."""
 
-    def __init__(self, name: str, group=None, local: int | None = None):
+    def __init__(self, name: str, group=None, local: int | None = None, timeout=None):
         self.name = name
         self.group = group
+        self.timeout = as_timedelta(timeout)
         if dist.is_available() and dist.is_initialized():
             self.n = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
@@ -147,10 +152,10 @@ class Topology:
             return dist.group.WORLD if self.group is None else self.group
         # Cached per default group: a re-initialised process group needs fresh subgroups.
         world = dist.group.WORLD
-        key = (id(world), global_ranks)
+        key = (id(world), global_ranks, self.timeout)
         hit = _GROUPS.get(key)
         if hit is None or hit[0] is not world:
-            hit = (world, dist.new_group(list(global_ranks)))
+            hit = (world, new_group(global_ranks, self.timeout))
             _GROUPS[key] = hit
         return hit[1]
 

@@ -28,6 +28,14 @@ whose kernel reads x from them and writes the stepped x to the parameters. The r
 for bit those of copy-then-step. Parameters of the bucket without a gradient (skipped by the
 step) still get the copy. Any other optimizer, bf16 gossip, ``synchronize()`` and a bucket
 with no gossip in flight take the copy path.
+
+Failures. Every collective goes through ``exchange/collectives.py``: a peer that dies or stalls
+makes the wait for a gossip (during ``backward()``, or in ``synchronize()``) or the global
+average raise ``DistributedStepError`` naming the iteration and the collective
+(``all_reduce(gossip, bucket k)``, ``all_reduce(global average)``). Per bucket nothing is
+half-done: a bucket's gossip buffers are all waited for before any parameter of the bucket is
+mixed, so at the error buckets 0..k-1 have finished iteration t (mixed and stepped) and buckets
+k.. are exactly as before it.
 """
 
 from __future__ import annotations
@@ -39,9 +47,11 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
+from ..exchange.collectives import as_timedelta, collective, wait
 from .topology import Topology
 
 _GOSSIP_DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
+_LABEL = "decentralized iteration"
 
 
 class _BucketState:
@@ -53,6 +63,7 @@ class _BucketState:
         self.flats: dict = {}  # dtype -> flat parameter storage (the params are views into it)
         self.sends: dict = {}  # dtype -> send/receive buffer of the gossip
         self.works: list = []
+        self.launched = -1     # the iteration whose gossip is in flight
         self.weight = 1.0      # 1 / |group| of the gossip in flight
         self.optimizer = None
         self.scheduler = None
@@ -81,6 +92,11 @@ class DecentralizedDataParallel(torch.nn.Module):
         mixing and the update stay fp32: x = w x + (S - bf16(w x)), where S is the bf16 sum over
         the group, so only the neighbours' contributions are rounded (relative 2^-9 per mixing)
         and the mean over ranks is kept only to within that rounding.
+    timeout: None (the process groups' own timeouts; the topology's subgroups get the default
+        group's) or seconds / a ``timedelta``: the longest any one wait for a collective may take
+        (gossip, ``synchronize()``, ``global_average()``), also given to the subgroups the
+        topology creates. A dead or stalled peer raises ``DistributedStepError`` naming the
+        iteration and the collective (see the module docstring for what was applied).
     """
 
     def __init__(
@@ -95,6 +111,7 @@ class DecentralizedDataParallel(torch.nn.Module):
         max_grad_norm: float | None = None,
         gossip_dtype: str | None = None,
         local_world_size: int | None = None,
+        timeout=None,
     ):
         super().__init__()
         if not callable(optimizer_fn):
@@ -105,8 +122,9 @@ class DecentralizedDataParallel(torch.nn.Module):
             raise ValueError(f"gossip_dtype must be 'fp32', 'bf16' or None, got {gossip_dtype!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+        self.timeout = as_timedelta(timeout)
         self.module = module
-        self.topology = Topology(topology, group, local_world_size)
+        self.topology = Topology(topology, group, local_world_size, self.timeout)
         self.group = group
         self.optimizer_fn, self.lr_scheduler_fn = optimizer_fn, lr_scheduler_fn
         self.max_grad_norm = max_grad_norm
@@ -236,26 +254,37 @@ class DecentralizedDataParallel(torch.nn.Module):
         if pg is None:
             return
         st.weight = 1.0 / len(ranks)
+        st.launched = self.iteration
+        index = st.bucket.index
         for dtype, flat in st.flats.items():
             send = st.sends[dtype]
             if send.dtype == flat.dtype:
                 torch.mul(flat, st.weight, out=send)
             else:
                 send.copy_(flat.float() * st.weight)
-            st.works.append(dist.all_reduce(send, group=pg, async_op=True))
+            st.works.append(collective(
+                f"all_reduce(gossip, bucket {index})", self.iteration, dist.all_reduce, send,
+                group=pg, async_op=True, label=_LABEL,
+                applied=f"bucket {index} of this rank finished this iteration, later buckets "
+                "did not"))
             k = len(ranks)
             self.bytes_sent += int(2 * (k - 1) / k * send.numel() * send.element_size())
 
-    def _wait(self, st: _BucketState) -> None:
-        for w in st.works:
-            w.wait()
+    def _wait(self, st: _BucketState, where: str = "this iteration") -> None:
+        k = st.bucket.index
+        for w in st.works:  # every buffer of the bucket before any parameter changes
+            wait(w, self.iteration, f"all_reduce(gossip, bucket {k})", self.timeout,
+                 label=_LABEL,
+                 applied=f"the gossip was launched at iteration {st.launched}; buckets before "
+                 f"bucket {k} of this rank finished {where}, bucket {k} and later ones are "
+                 "exactly as before it")
         st.works = []
 
     @torch.no_grad()
-    def _mix(self, st: _BucketState) -> None:
+    def _mix(self, st: _BucketState, where: str = "this iteration") -> None:
         if not st.works:
             return
-        self._wait(st)
+        self._wait(st, where)
         for dtype, flat in st.flats.items():
             recv = st.sends[dtype]
             if self.gossip_dtype is None:
@@ -282,8 +311,8 @@ class DecentralizedDataParallel(torch.nn.Module):
         """Wait for every bucket's outstanding gossip and mix it in (one mixing of the topology:
         the parameters change, their sum over ranks does not). Call it before evaluation or a
         checkpoint; the next iteration then has nothing to mix."""
-        for st in self._states.values():
-            self._mix(st)
+        for i in sorted(self._states):
+            self._mix(self._states[i], "synchronize()")
 
     @contextlib.contextmanager
     def global_average(self):
@@ -297,7 +326,9 @@ class DecentralizedDataParallel(torch.nn.Module):
             with torch.no_grad():
                 if n > 1:
                     flat = torch.cat([p.detach().reshape(-1).double() for p in params])
-                    dist.all_reduce(flat, group=self.group)
+                    collective("all_reduce(global average)", self.iteration, dist.all_reduce,
+                               flat, group=self.group, timeout=self.timeout, label=_LABEL,
+                               applied="this rank's own parameters are back as they were")
                     flat /= n
                     offset = 0
                     for p in params:

@@ -1,3 +1,3 @@
-from .digits import main
+from .digits import main  # dispatches --task chars to chars.main
 
 main()

@@ -25,30 +25,42 @@ all-reduce and D-Lion vote on the same split and initial weights.
 ``--strategy auto`` lets the runtime model (``dlion_kernels.plan``) pick: the workers calibrate
 their links, collectives and compute (a few seconds), print the predicted step of every strategy
 the demo can run, and train the fastest.
+
+``--task chars`` runs the other task instead, a character-level transformer on the standard
+library's source (``dlion_kernels/demo/chars.py``; ``--task chars --help`` for its options).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-import dlion_kernels as dk
+from dlion_kernels.decentralized import topology as topologies
+
+from .common import (
+    DECENTRALIZED_OPTIMIZERS,
+    TASKS,
+    Hyper,
+    Strategy,
+    launch,
+    same_on_all_ranks,
+    task_of,
+)
 
 OPTIMIZERS = ("D-Lion vote", "D-Lion average", "Lion + all-reduce", "AdamW + all-reduce")
 STRATEGIES = ("all-reduce", "decentralized", "auto")
-DECENTRALIZED_OPTIMIZERS = ("accum-adamw", "accum-lion", "adamw")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=TASKS, default="digits",
+                    help="digits: this MLP (default); chars: the character-level transformer "
+                    "(its own options: --task chars --help)")
     ap.add_argument("--workers", type=int, default=4, help="processes to start (ignored under "
                     "torchrun, which starts them)")
     ap.add_argument("--epochs", type=int, default=20)
@@ -66,8 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--strategy", choices=STRATEGIES, default="all-reduce",
                     help="all-reduce: the four optimizers above (default); decentralized: "
                     "DecentralizedDataParallel against AdamW + all-reduce and D-Lion vote; "
-                    "auto: the runtime model picks one (--topology and --hierarchy then only "
-                    "say what it may pick from) and only that one trains")
+                    "auto: the runtime model picks one (--hierarchy L lets it consider nodes of "
+                    "L workers) and only that one trains")
     ap.add_argument("--topology", default="ring",
                     choices=("complete", "ring", "one-peer-exp", "alternating-exp-ring"),
                     help="gossip topology of --strategy decentralized")
@@ -99,28 +111,29 @@ def optimizer_names(args) -> tuple:
 
 def choose_auto(args, n, rank) -> str:
     """--strategy auto: the demo strategy the runtime model predicts fastest on these workers.
-    Collective (every worker calibrates, rank 0 decides, all get the same answer)."""
+    Collective (every worker calibrates, rank 0's inputs go to all, all decide alike)."""
+    from dlion_kernels import plan
     from dlion_kernels.plan import auto
     from dlion_kernels.plan.__main__ import table
 
     if n < 2:
         raise SystemExit("--strategy auto needs at least 2 workers (it times the links)")
     L = args.hierarchy or 1
-    names = {"allreduce-fp32": "AdamW + all-reduce", "dlion-vote": "D-Lion vote",
-             "dlion-average": "D-Lion average"}
-    if L > 1:
-        names.update({f"dlion-hier-{m}": f"D-Lion {m}, hierarchy {L}" for m in ("vote", "average")})
-    for t in dk.plan.TOPOLOGIES:
-        if dk.plan.topology_problem(t, n, L) is None:
+    names = {"allreduce-fp32": "AdamW + all-reduce"}
+    for m in ("vote", "average"):
+        names[f"dlion-{m}"] = f"D-Lion {m}"
+        names[f"dlion-{m}-overlap"] = f"D-Lion {m}, overlap"
+        if L > 1:
+            names[f"dlion-hier-{m}"] = f"D-Lion {m}, hierarchy {L}"
+    for t in plan.TOPOLOGIES:
+        if plan.topology_problem(t, n, L) is None:
             names[f"decentralized-{t}"] = f"Decentralized {t} {args.optimizer}"
     numel = sum(p.numel() for p in make_model(args.hidden, args.seed).parameters())
     inputs = auto.job_inputs(numel, ranks_per_node=L)
     n_, L_ = inputs.pop("ranks"), inputs.pop("ranks_per_node")
     inputs.update(modes=("vote", "average"), bucket_mb=0.25)  # the demo's gossip buckets
-    predicted = [r for r in dk.plan.predict(numel, n_, L_, **inputs) if r.strategy in names]
+    predicted = [r for r in plan.predict(numel, n_, L_, **inputs) if r.strategy in names]
     chosen = predicted[0]  # fastest first
-    if chosen.strategy.startswith("decentralized-"):
-        args.topology = chosen.options["topology"]
     if rank == 0:
         print(f"runtime model, {numel:,} parameters on {n} workers (L = {L}):\n"
               f"{table(predicted)}\nchosen: {chosen.strategy} -> {names[chosen.strategy]}",
@@ -152,58 +165,19 @@ def make_model(hidden: int, seed: int) -> torch.nn.Module:
     )
 
 
-def _allreduce_grads(model, n) -> int:
-    """The usual data-parallel gradient sync: fp32 all-reduce (sum, then / n). Returns the bytes
-    a ring all-reduce sends per rank, 2 (n-1)/n * 4d."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if n > 1:
-        dist.all_reduce(flat)
-        flat /= n
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-    return round(2 * (n - 1) / n * flat.numel() * flat.element_size())
-
-
-def _decentralized(args, model, n):
-    """DecentralizedDataParallel with the per-bucket optimizer of --optimizer."""
-    K = args.accum_steps or n
-    if args.optimizer == "accum-adamw":
-        def opt_fn(ps):
-            return dk.AccumAdamW(ps, lr=args.adamw_lr, weight_decay=args.weight_decay,
-                                 accum_steps=K, backend=args.backend)
-    elif args.optimizer == "accum-lion":
-        def opt_fn(ps):
-            return dk.AccumLion(ps, lr=args.lion_lr, weight_decay=args.weight_decay,
-                                accum_steps=K, backend=args.backend)
-    else:
-        def opt_fn(ps):
-            return torch.optim.AdamW(ps, lr=args.adamw_lr, weight_decay=args.weight_decay)
-    return dk.DecentralizedDataParallel(model, opt_fn, topology=args.topology, bucket_mb=0.25)
+def hyper(args, n) -> Hyper:
+    return Hyper(lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
+                 backend=args.backend, accum_steps=args.accum_steps, bucket_mb=0.25,
+                 ranks_per_node=topologies.local_world_size(1 if args.topology !=
+                                                            "alternating-exp-ring" else n))
 
 
 def train_one(name, args, rank, n, device, solo_group, data):
     (x_train, y_train), (x_test, y_test) = data
     model = make_model(args.hidden, args.seed).to(device)
-    params = list(model.parameters())
-    common = dict(weight_decay=args.weight_decay, backend=args.backend)
-    ddp = None
-    if name.startswith("Decentralized"):
-        ddp = _decentralized(args, model, n)
-        opt = None
-    elif name.startswith("D-Lion"):
-        mode = "vote" if name.startswith("D-Lion vote") else "average"
-        hierarchy = args.hierarchy if "hierarchy" in name else None
-        opt = dk.DistributedLion(params, lr=args.lion_lr, mode=mode, hierarchy=hierarchy,
-                                 **common)
-    elif name.startswith("Lion"):
-        # Plain Lion is D-Lion on a group of one with ternary votes (the exact sign).
-        opt = dk.DistributedLion(params, lr=args.lion_lr, votes="ternary", group=solo_group,
-                                 **common)
-    else:
-        opt = torch.optim.AdamW(params, lr=args.adamw_lr, weight_decay=args.weight_decay)
+    strategy = Strategy(name, model, n, hyper(args, n), solo_group)
 
-    losses, bytes_per_step, inter_node_bytes, steps = [], 0, None, 0
+    losses = []
     start = time.perf_counter()
     for epoch in range(args.epochs):
         # Same permutation on every rank, each rank takes its own shard of it.
@@ -213,58 +187,28 @@ def train_one(name, args, rank, n, device, solo_group, data):
         for i in range(0, len(mine) - args.batch_size + 1, args.batch_size):
             idx = mine[i : i + args.batch_size]
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-            if ddp is not None:  # backward mixes, steps and launches the gossip, per bucket
-                sent = ddp.bytes_sent
-                loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
-                loss.backward()
-                bytes_per_step = ddp.bytes_sent - sent
-                total[0] += loss.detach() * len(idx)
-                total[1] += len(idx)
-                steps += 1
-                continue
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(model(xb), yb)
-            loss.backward()
-            if name.endswith("all-reduce"):
-                bytes_per_step = _allreduce_grads(model, n)
-                opt.step()
-            else:
-                opt.step()
-                bytes_per_step = opt.last_stats.bytes_sent
-                inter_node_bytes = getattr(opt.last_stats, "inter_node_bytes_sent", None)
+            loss = torch.nn.functional.cross_entropy(strategy.forward(xb), yb)
+            strategy.step(loss)
             total[0] += loss.detach() * len(idx)
             total[1] += len(idx)
-            steps += 1
         if n > 1:
             dist.all_reduce(total)  # logging only, not part of the bytes
         losses.append((total[0] / total[1]).item())
         if rank == 0 and not args.quiet:
             print(f"  [{name:18s}] epoch {epoch + 1:3d}/{args.epochs}  train loss "
                   f"{losses[-1]:.4f}", flush=True)
-    if ddp is not None:
-        ddp.synchronize()
+    strategy.finish()
     wall = time.perf_counter() - start
     # Decentralized ranks hold different parameters: evaluate (and check) their average.
-    averaged = ddp.global_average() if ddp is not None else contextlib.nullcontext()
-    with averaged, torch.no_grad():
+    with strategy.evaluation(), torch.no_grad():
         acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
-        in_sync = _same_on_all_ranks(model, n)
-    return dict(optimizer=name, test_accuracy=acc, bytes_per_step=bytes_per_step,
-                steps=steps, wall_s=wall, losses=losses, ranks_in_sync=in_sync,
-                inter_node_bytes_per_step=inter_node_bytes,
-                numel=sum(p.numel() for p in params))
-
-
-def _same_on_all_ranks(model, n) -> bool:
-    # All ranks must hold the same parameters: check it, cheaply, with one scalar.
-    check = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-    if n > 1:
-        gathered = [torch.zeros_like(check) for _ in range(n)]
-        dist.all_gather(gathered, check)
-        in_sync = all(torch.equal(g, check) for g in gathered)
-    else:
-        in_sync = True
-    return in_sync
+        in_sync = same_on_all_ranks(model, n)
+    return {
+        "optimizer": name, "test_accuracy": acc, "bytes_per_step": strategy.bytes_per_step,
+        "steps": strategy.steps, "wall_s": wall, "losses": losses, "ranks_in_sync": in_sync,
+        "inter_node_bytes_per_step": strategy.inter_node_bytes,
+        "numel": sum(p.numel() for p in model.parameters()), "workers": n,
+    }
 
 
 def run(rank, n, args, device):
@@ -285,8 +229,8 @@ def format_table(rows, n) -> str:
     fp32 = next((r["bytes_per_step"] for r in rows if r["optimizer"].endswith("all-reduce")),
                 None)
     lines = [
-        f"| optimizer ({n} workers) | test accuracy | bytes sent / rank / step | vs fp32 "
-        "all-reduce | wall time (s) |",
+        (f"| optimizer ({n} workers) | test accuracy | bytes sent / rank / step | vs fp32 "
+        "all-reduce | wall time (s) |"),
         "|---|---|---|---|---|",
     ]
     for r in rows:
@@ -316,17 +260,6 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def _spawned(rank, n, args, store, queue):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    try:
-        rows = run(rank, n, args, torch.device("cpu"))
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
 def report(rows, n, args):
     print()
     print(format_table(rows, n))
@@ -342,44 +275,14 @@ def report(rows, n, args):
 
 
 def main(argv=None):
+    if task_of(argv) not in (None, "digits"):
+        from . import chars
+
+        return chars.main(argv)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        cuda = torch.cuda.is_available()
-        dist.init_process_group("nccl" if cuda else "gloo")
-        rank, n = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
-            torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        rows = run(rank, n, args, device)
-        dist.destroy_process_group()
-        if rank == 0:
-            report(rows, n, args)
-        return rows if rank == 0 else None
-
-    import queue as queue_module
-    import tempfile
-
-    n = args.workers
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_spawned, args=(r, n, args, os.path.join(tmp, "store"), queue))
-                 for r in range(n)]
-        for p in procs:
-            p.start()
-        rows = None
-        while rows is None and not any(p.exitcode not in (None, 0) for p in procs):
-            try:
-                rows = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    break
-        for p in procs:
-            p.join()
-    if rows is None or any(p.exitcode != 0 for p in procs):
-        raise SystemExit("a worker failed (see its traceback above)")
-    report(rows, n, args)
+    rows = launch(run, args.workers, args)
+    if rows is not None:  # rank 0 (every rank but 0 returns None under torchrun)
+        report(rows, rows[0]["workers"], args)
     return rows
 
 

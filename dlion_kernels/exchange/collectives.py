@@ -11,7 +11,11 @@ the group is made::
 gloo and NCCL then raise on every surviving rank when a peer dies (its connections close) or
 stalls (nothing arrives before the timeout). ``timeout=`` here is an extra, shorter bound for one
 call: the collective is started with ``async_op=True`` and its ``Work`` is waited on for at most
-that long.
+that long (``DistributedLion(timeout=)`` and ``DecentralizedDataParallel(timeout=)`` pass theirs).
+
+Subgroups the library makes itself (hierarchy's node groups, the decentralized topologies) are
+made by ``new_group`` here, with the default group's timeout (or the object's ``timeout=``):
+``dist.new_group`` alone would give them the backend's default of 30 minutes (gloo).
 
 After such an error the group is unusable (peers may be inside different collectives): destroy it
 (``dist.destroy_process_group()``), restart the job and resume from the last checkpoint
@@ -25,56 +29,69 @@ import datetime
 
 import torch.distributed as dist
 
+NOTHING_APPLIED = "nothing of this step was applied to the parameters on this rank"
+
 
 class DistributedStepError(RuntimeError):
     """A collective of a D-Lion step failed or timed out on this rank (a peer died or stalled).
 
-    Attributes: ``step`` (the step counter passed to the exchange), ``collective`` (its name) and
-    ``rank`` (this process's rank in the default group, or -1 without one). The backend's own
-    exception is chained as ``__cause__``.
+    Attributes: ``step`` (the step counter passed to the exchange; for decentralized training the
+    iteration), ``collective`` (its name) and ``rank`` (this process's rank in the default group,
+    or -1 without one). The backend's own exception is chained as ``__cause__``. ``label`` names
+    what ``step`` counts in the message; ``applied`` says what this rank had already applied.
     """
 
-    def __init__(self, step, collective: str, detail: str):
+    def __init__(self, step, collective: str, detail: str, *, label: str = "D-Lion step",
+                 applied: str = NOTHING_APPLIED):
         self.step, self.collective = step, collective
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
         super().__init__(
-            f"D-Lion step {step}: collective {collective} failed on rank {self.rank}: {detail}. "
-            "A peer rank has probably died or stalled; nothing of this step was applied to the "
-            "parameters on this rank. The process group is no longer usable: destroy it, restart "
-            "the job and resume from the last checkpoint (dlion_kernels.load_state)."
+            f"{label} {step}: collective {collective} failed on rank {self.rank}: {detail}. "
+            f"A peer rank has probably died or stalled; {applied}. The process group is no "
+            "longer usable: destroy it, restart the job and resume from the last checkpoint "
+            "(dlion_kernels.load_state)."
         )
 
 
-def _as_timedelta(timeout) -> datetime.timedelta | None:
+def as_timedelta(timeout, name: str = "timeout") -> datetime.timedelta | None:
+    """``timeout`` (None, seconds > 0 or a timedelta > 0) as a timedelta; ValueError naming
+    ``name`` otherwise."""
+    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() <= 0:
+        raise ValueError(f"{name} must be > 0, got {timeout!r}")
     if timeout is None or isinstance(timeout, datetime.timedelta):
         return timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"timeout must be None, a number of seconds > 0 or a timedelta, got "
+    raise ValueError(f"{name} must be None, a number of seconds > 0 or a timedelta, got "
                      f"{timeout!r}")
 
 
-def wait(work, step, name: str, timeout=None) -> None:
+def wait(work, step, name: str, timeout=None, *, label: str = "D-Lion step",
+         applied: str = NOTHING_APPLIED) -> None:
     """Wait for an asynchronous collective's ``Work``; a failure or a wait longer than
     ``timeout`` (seconds or timedelta; None: the group's own timeout) raises
-    ``DistributedStepError`` naming ``step`` and ``name``."""
-    limit = _as_timedelta(timeout)
+    ``DistributedStepError`` naming ``step`` and ``name`` (``label`` and ``applied``: see the
+    error)."""
+    limit = as_timedelta(timeout)
+    error = dict(label=label, applied=applied)
     try:
         done = work.wait() if limit is None else work.wait(limit)
     except DistributedStepError:
         raise
     except Exception as e:  # gloo: RuntimeError; NCCL: DistBackendError (a RuntimeError)
-        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}") from e
+        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}", **error) from e
     if done is False:  # some backends report a timed-out wait by returning False
-        raise DistributedStepError(step, name, f"not finished after {limit}")
+        raise DistributedStepError(step, name, f"not finished after {limit}", **error)
 
 
-def collective(name: str, step, fn, *args, timeout=None, **kwargs):
+def collective(name: str, step, fn, *args, timeout=None, label: str = "D-Lion step",
+               applied: str = NOTHING_APPLIED, **kwargs):
     """``fn(*args, **kwargs)`` (a torch.distributed collective) as step ``step``'s collective
     ``name``. Without ``timeout`` it runs synchronously under the group's timeout; with one, it
     runs with ``async_op=True`` and is waited on for at most ``timeout``. With ``async_op=True``
     it is only started and its ``Work`` returned: finish it with ``wait(work, step, name)``."""
-    limit = _as_timedelta(timeout)
+    limit = as_timedelta(timeout)
+    error = dict(label=label, applied=applied)
     started = kwargs.pop("async_op", False)  # the caller waits later, through wait()
     try:
         if limit is None and not started:
@@ -82,8 +99,32 @@ def collective(name: str, step, fn, *args, timeout=None, **kwargs):
             return None
         work = fn(*args, async_op=True, **kwargs)
     except Exception as e:
-        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}") from e
+        raise DistributedStepError(step, name, f"{type(e).__name__}: {e}", **error) from e
     if started:
         return work
-    wait(work, step, name, limit)
+    wait(work, step, name, limit, **error)
     return None
+
+
+def group_timeout(group=None) -> datetime.timedelta | None:
+    """The timeout a process group (None: the default group) was made with, or None if the
+    backend does not tell."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            return pg._get_backend(device).options._timeout
+        except Exception:  # a backend without options: try the next device type
+            continue
+    return None
+
+
+def new_group(ranks, timeout=None):
+    """``dist.new_group(ranks)`` whose timeout is ``timeout`` or else the default group's.
+
+    ``dist.new_group`` without a timeout gives the backend's default (30 minutes for gloo, 10 for
+    NCCL), not the timeout the user passed to ``init_process_group``: a stalled peer in a
+    library-made subgroup would then hang the job that long."""
+    limit = as_timedelta(timeout)
+    if limit is None:
+        limit = group_timeout()
+    return dist.new_group(list(ranks), timeout=limit)

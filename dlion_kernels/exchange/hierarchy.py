@@ -27,9 +27,11 @@ One step on rank r (local rank l, node k):
    model): packed votes of the shard;
 4. the two-phase vote exchange of ``pipeline.py`` (one bucket: the shard; all_to_all with the
    [flag, step] header, tally, all_gather) on the inter-node group with the N nodes as voters;
-   then the momentum shard is updated (m = b2 m + (1 - b2) g);
-5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element),
-   then every rank applies the full aggregate to all of its parameters with n = N.
+5. intra-node ``all_gather_into_tensor`` of the packed aggregate shards (P_out bits per element);
+   only then, after the step's last collective, the momentum shard is updated
+   (m = b2 m + (1 - b2) g) and every rank applies the full aggregate to all of its parameters
+   with n = N. A peer that dies in any collective leaves this rank's state as it was
+   (``DistributedStepError`` naming the step and the collective, ``collectives.py``).
 
 Step 5 gathers the packed aggregate instead of the updated parameters: it moves P_out bits per
 element inside the node instead of 16 or 32, needs no parameter workspace for mixed dtypes, and
@@ -54,6 +56,7 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
+from .collectives import as_timedelta, collective, new_group
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
     _WORD_BYTES,
@@ -69,6 +72,12 @@ from .pipeline import (
 
 _F32_BYTES = 4
 _GROUPS: dict = {}
+# Names of the hierarchy's own collectives in errors (DistributedStepError) and fault tests; the
+# inter-node exchange keeps pipeline.py's names (all_to_all_single(votes), all_gather(aggregate)).
+REDUCE_SCATTER = "reduce_scatter_tensor(node gradient)"
+FLAGS = "all_gather(node flags)"
+HEADERS = "all_gather(node headers)"
+NODE_GATHER = "all_gather(node aggregate)"
 
 
 @dataclass(frozen=True)
@@ -139,18 +148,19 @@ class Topology:
     inter: object  # process group of this rank's local rank across nodes
 
 
-def topology(group, ranks_per_node: int) -> Topology:
-    """The nodes of the default process group, with cached groups (collective on first call)."""
+def topology(group, ranks_per_node: int, timeout=None) -> Topology:
+    """The nodes of the default process group, with cached groups (collective on first call).
+    The groups' timeout is ``timeout`` or else the default group's (``collectives.new_group``)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("hierarchy needs an initialized default process group (torchrun)")
     check_world(group, ranks_per_node)
     n, L = dist.get_world_size(), ranks_per_node
-    key = (id(dist.group.WORLD), n, L)
+    key = (id(dist.group.WORLD), n, L, as_timedelta(timeout))
     if key not in _GROUPS:
         N = n // L
-        intra = [dist.new_group(list(range(k * L, (k + 1) * L))) for k in range(N)]
+        intra = [new_group(range(k * L, (k + 1) * L), timeout) for k in range(N)]
         # with N == 1 these are one-rank groups: the exchange then runs without a collective
-        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)]
+        inter = [new_group(range(j, n, L), timeout) for j in range(L)]
         _GROUPS[key] = (intra, inter)
     intra, inter = _GROUPS[key]
     rank = dist.get_rank()
@@ -280,10 +290,15 @@ class ShardedMomentum:
 
 
 def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
-                          step, nonfinite) -> HierarchicalStepStats:
+                          step, nonfinite, timeout=None) -> HierarchicalStepStats:
     """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
-    momentum comes from ``momentum``, a FullMomentum or ShardedMomentum)."""
-    topo = topology(group, ranks_per_node)
+    momentum comes from ``momentum``, a FullMomentum or ShardedMomentum).
+
+    Every collective goes through ``collectives.collective`` / ``wait``: a dead or stalled peer
+    raises ``DistributedStepError`` naming the step and the collective, bounded by ``timeout``
+    (None: the groups' own timeout). Nothing is written (parameters, momentum shard) before the
+    step's last collective has returned, so a failed step leaves this rank as it was."""
+    topo = topology(group, ranks_per_node, timeout)
     L, N = topo.ranks_per_node, topo.nodes
     tensors = [p for s in segments for p in s.params]
     grads_all = [g for s in segments for g in s.grads]
@@ -294,7 +309,7 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     # The inter-node exchange: the two-phase protocol of pipeline.py on this rank's inter-node
     # group (N voters), one bucket = this rank's shard of S = N * S1 blocks.
     ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter, backend=name,
-                  step=step, nonfinite=nonfinite)
+                  step=step, nonfinite=nonfinite, timeout=timeout)
     stages, ternary = ex.stages, ex.ternary
     layout = ShardLayout.build((t.numel() for t in tensors), topo)
     S = layout.shard
@@ -314,7 +329,8 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
             work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
     grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
     if L > 1:
-        dist.reduce_scatter_tensor(grad, work, op=dist.ReduceOp.SUM, group=topo.intra)
+        collective(REDUCE_SCATTER, step, dist.reduce_scatter_tensor, grad, work,
+                   op=dist.ReduceOp.SUM, group=topo.intra, timeout=timeout)
         grad.div_(L)
         intra += (L - 1) * S * BLOCK * _F32_BYTES
     else:
@@ -327,13 +343,13 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     flag = stages.nonfinite([grad])
     if N > 1:
         flags = torch.empty(N, dtype=torch.int32, device=device)
-        all_gather(flags, flag, topo.inter)
+        collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
         flag = flags.any().to(torch.int32).view(1)
         inter += (N - 1) * _WORD_BYTES
     headers = make_header(flag, step)
     if L > 1:
         mine, headers = headers, torch.empty(L * HEADER_WORDS, dtype=torch.int32, device=device)
-        all_gather(headers, mine, topo.intra)
+        collective(HEADERS, step, all_gather, headers, mine, topo.intra, timeout=timeout)
         intra += (L - 1) * HEADER_WORDS * _WORD_BYTES
     if decide(headers):  # raises StepMismatchError alike on every rank
         if nonfinite == "raise":
@@ -362,21 +378,22 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     inter += ex.sent
     decide(bucket.header)  # the other nodes' steps (their flags were checked above)
 
+    # 5. the node's aggregate shards side by side are the flat aggregate. Gathered before the
+    # momentum is written: a peer dying in this last collective leaves nothing half-applied.
+    owned = bucket.aggregate
+    if L > 1:
+        aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
+        collective(NODE_GATHER, step, all_gather, aggregate, owned, topo.intra, timeout=timeout)
+        intra += (L - 1) * owned.numel() * _WORD_BYTES
+    else:
+        aggregate = owned
+
     # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
     for r in rows:
         b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
         omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
         r.exp_avg.copy_(b2 * r.exp_avg + omb2 * r.grad)
     momentum.commit()
-
-    # 5. the node's aggregate shards side by side are the flat aggregate; apply everywhere
-    owned = bucket.aggregate
-    if L > 1:
-        aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
-        all_gather(aggregate, owned, topo.intra)
-        intra += (L - 1) * owned.numel() * _WORD_BYTES
-    else:
-        aggregate = owned
     _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
     return stats()
 

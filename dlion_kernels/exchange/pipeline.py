@@ -221,7 +221,8 @@ class _BucketWork:
     def reduce(self) -> None:
         ex, n = self.ex, self.ex.n
         if self.a2a is not None:
-            wait_work(self.a2a, ex.step, A2A)  # CUDA: the side stream waits for NCCL, not the host
+            # CUDA: the side stream waits for NCCL, not the host (unless a timeout is given)
+            wait_work(self.a2a, ex.step, A2A, ex.timeout)
         self.header = self.received[:, :HEADER_WORDS]
         stacked = self.received[:, HEADER_WORDS:].contiguous()
         if n == 1:
@@ -240,7 +241,7 @@ class _BucketWork:
 
     def wait(self) -> None:
         if self.gather is not None:
-            wait_work(self.gather, self.ex.step, GATHER)
+            wait_work(self.gather, self.ex.step, GATHER, self.ex.timeout)
 
     def apply(self, skip) -> None:
         ex = self.ex
@@ -272,13 +273,15 @@ class Exchange:
 
     ``add(rows, blocks)`` starts a bucket (and reduces the previous one); ``finish()`` reduces
     what is left, waits, decides skip/raise for all buckets at once, applies and returns the
-    step's ``StepStats``. Rows' segments are read at ``add`` for beta1 and at ``finish`` for
+    step's ``StepStats``. ``timeout`` (seconds, a timedelta or None: the group's own) bounds each
+    wait for a collective. Rows' segments are read at ``add`` for beta1 and at ``finish`` for
     lr, beta2 and weight_decay (so an LR scheduler between backward and step takes effect).
     """
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
-                 found_inf=None, streams: Streams | None = None):
+                 found_inf=None, streams: Streams | None = None, timeout=None):
         self.group, self.n = resolve_group(group)
+        self.timeout = timeout
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
         self.backend = backends.resolve(backend, self.device)

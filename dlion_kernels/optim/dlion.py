@@ -14,6 +14,7 @@ from ..exchange.checks import (
     check_params,
     check_tensors,
 )
+from ..exchange.collectives import as_timedelta
 from ..exchange.copying import Copyable, attached_group
 from ..exchange.pipeline import Exchange, Segment, StepStats, Streams
 from ..kernels.layout import block_offsets
@@ -88,6 +89,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     keeps momentum only for its shard, ~1/L of the elements: ``state[p]["exp_avg"]`` is 1-D and
     covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L. Not
     combined with ``overlap=True`` yet.
+
+    Failures: a peer rank that dies or stalls makes ``step()`` (with ``overlap=True`` or the DDP
+    comm hook, possibly ``backward()``) raise ``DistributedStepError`` on every other rank,
+    naming the step and the collective; parameters and momenta are then as before the step.
+    How long a collective may take is the process group's timeout (hierarchy's node groups get
+    the default group's); ``timeout`` (seconds or a ``timedelta``) bounds every wait of the step
+    further. With it, CUDA waits are host waits.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
@@ -111,8 +119,10 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         capturable: bool | None = None,
         differentiable: bool | None = None,
         hierarchy=None,
+        timeout=None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
+        as_timedelta(timeout)
         check_options(mode, votes, backend, nonfinite)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
@@ -131,6 +141,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self.mode, self.votes, self.group = mode, votes, group
         self.backend, self.nonfinite = backend, nonfinite
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
+        self.timeout = timeout
         self.last_stats: StepStats | None = None
         if auto:
             self._choose_hierarchy()
@@ -228,7 +239,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._exchange = Exchange(device=device, mode=self.mode, votes=self.votes,
                                       group=attached_group(self.group, self),
                                       backend=self.backend, step=step, nonfinite=self.nonfinite,
-                                      found_inf=self._found_inf, streams=self._streams)
+                                      found_inf=self._found_inf, streams=self._streams,
+                                      timeout=getattr(self, "timeout", None))
             self._exchanged = set()
         return self._exchange
 
@@ -324,7 +336,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         stats = hier.run_hierarchical_step(
             segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
             votes=self.votes, group=self.group, backend=self.backend, step=step,
-            nonfinite=self.nonfinite)
+            nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None))
         if not stats.skipped:
             for state in states:
                 state["step"] = step + 1

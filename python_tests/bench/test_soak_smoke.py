@@ -1,4 +1,5 @@
-"""bench_soak.py --smoke runs to the end within the leak limits (pytest -m bench)."""
+"""bench_soak.py --smoke runs both phases (DistributedLion, decentralized) to the end within the
+leak limits (pytest -m bench)."""
 
 import json
 import os
@@ -14,10 +15,12 @@ pytestmark = pytest.mark.bench
 def test_soak_smoke(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_soak.py"),
                            "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+                          timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "soak.json").read_text())
     assert data["metadata"]["ok"] and data["metadata"]["ranks"] == 2
+    assert [(row["strategy"], row["rank"]) for row in data["rows"]] == [
+        ("dlion", 0), ("dlion", 1), ("decentralized", 0), ("decentralized", 1)]
     for row in data["rows"]:
         assert row["fds_growth_pct"] <= 1.0 and row["threads_growth_pct"] <= 1.0
         assert row["rss_kb_growth_pct"] <= 1.0

@@ -1,4 +1,4 @@
-"""DecentralizedDataParallel on real gloo processes (n = 2, 4): the mean over ranks moves by the
+"""DecentralizedDataParallel on real gloo processes (n = 2, 4, 8): the mean over ranks moves by the
 mean step, consensus at lr = 0, exact resume, global_average, bf16 gossip, errors."""
 
 import copy
@@ -147,9 +147,10 @@ def _resume_run(rank, n):
                 "fp32": (_flat(model4), ddp4.bytes_sent), "step_norm": step_norm, "errors": errors}
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_mean_moves_by_mean_step_and_consensus(n):
-    topologies = ["ring", "one-peer-exp", "complete"] + (["alternating-exp-ring"] if n == 4
+    # alternating-exp-ring with 2 ranks per node: 2 nodes at n = 4, 4 nodes at n = 8
+    topologies = ["ring", "one-peer-exp", "complete"] + (["alternating-exp-ring"] if n >= 4
                                                           else [])
     lr = 0.1
     results = run_workers(n, _all_checks, topologies, lr)

@@ -1,14 +1,16 @@
-"""Compile every Triton kernel of dlion_kernels/kernels/triton.py ahead of time with the real
-compiler (no GPU needed) and report registers and spills from ptxas.
+"""Compile every Triton kernel of dlion_kernels/kernels/triton.py and accum_triton.py ahead of time
+with the real compiler (no GPU needed) and report registers and spills from ptxas.
 
 Run in a process WITHOUT TRITON_INTERPRET (test_triton_compile.py does that). Prints one JSON line
 per variant: kernel, arch, variant, regs, spill_stores, spill_loads, seconds.
 
-    python python_tests/kernels/compile_triton.py [--arch 80,90] [--quick]
+    python python_tests/kernels/compile_triton.py [--arch 80,90] [--quick] [--match accum_lion]
 
 The variants are those the launchers produce (triton.py): BLOCK 4096 and 8 warps for the local
 step and apply, BW 512 and 4 warps for the tally; every dtype, vote kind and mode; the aligned
-launch (16-byte base pointers, ALIGN hints) and the unaligned one (no hints).
+launch (16-byte base pointers, ALIGN hints) and the unaligned one (no hints). AccumAdamW and
+AccumLion (accum_triton.py): BLOCK 1024 and 4 warps, every dtype, K = 1 and K > 1, flush or not,
+with and without 16-byte base pointers (the launcher's alignment groups; --quick: with).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from dlion_kernels.kernels import accum_triton as ak  # noqa: E402
 from dlion_kernels.kernels import triton as tk  # noqa: E402
 
 T = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -90,6 +93,23 @@ def variants(quick: bool):
                 const = {"MODE_AVG": avg, "TERNARY": ternary, "NP": np_, "BW": 512}
                 out.append((tk._tally_kernel, f"tally avg={avg} ternary={ternary} NP={np_}", sig,
                             const, ["stacked_ptr", "out_ptr"], 4))
+    for kernel, scalars, lists in (
+        (ak._adamw_kernel, ak.ADAMW_SCALARS, ("x", "g", "a", "m", "v")),
+        (ak._lion_kernel, ak.LION_SCALARS, ("x", "g", "a", "m")),
+    ):
+        kind = kernel.__name__.strip("_").replace("_kernel", "")
+        for x in ("fp32", "bf16", "fp16") if not quick else ("fp32", "bf16"):
+            for k1, flush in ((True, True), (False, False), (False, True)):
+                for aligned in (True, False) if not quick else (True,):
+                    sig = {"meta_ptr": "*i64", "prog_ptr": "*i32"}
+                    for name in lists:
+                        sig[f"{name}_base"] = f"*{T[x]}" if name in ("x", "g") else "*fp32"
+                    sig.update({name: "fp32" for name in scalars})
+                    const = {"K1": k1, "FLUSH": flush, "BLOCK": 1024, "SOFT_BF16": False}
+                    ptrs = ["meta_ptr", "prog_ptr"] + (
+                        [f"{name}_base" for name in lists] if aligned else [])
+                    out.append((kernel, f"accum_{kind} x={x} K1={k1} flush={flush} "
+                                f"aligned={aligned}", sig, const, ptrs, 4))
     return out
 
 
@@ -117,10 +137,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="80,90")
     ap.add_argument("--quick", action="store_true", help="fewer dtype pairs and tally planes")
+    ap.add_argument("--match", default="", help="only variants whose name contains this")
     args = ap.parse_args()
     for arch in (int(a) for a in args.arch.split(",")):
         target = GPUTarget("cuda", arch, 32)
         for fn, name, sig, const, ptrs, warps in variants(args.quick):
+            if args.match not in name:
+                continue
             t0 = time.perf_counter()
             for k in const:
                 sig[k] = "constexpr"

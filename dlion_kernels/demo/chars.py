@@ -1,0 +1,387 @@
+"""The second demo task: a small causal character-level transformer, trained data-parallel with
+every strategy the library runs, on text that ships with Python (nothing is downloaded).
+
+    python -m dlion_kernels.demo --task chars                  # 4 gloo workers on this CPU
+    torchrun --nproc-per-node 4 -m dlion_kernels.demo --task chars
+
+Data: the source of ten modules of Python's standard library (``STDLIB_FILES``, read from
+``sysconfig.get_paths()["stdlib"]``), about 0.3 MB of characters. The last 10% of every file is
+the validation text, the rest the training text. Characters are ASCII 32-126, newline and tab,
+everything else one unknown id: a vocabulary of 98.
+
+Model (``--d-model 64 --layers 2 --heads 4 --context 64``): pre-norm transformer blocks
+(causal ``scaled_dot_product_attention``, a 4x GELU MLP), learned positions, about 0.11 M
+parameters. Each iteration every worker takes its own ``--batch-size 8`` windows of the training
+text (a global batch of 8 n windows drawn from a generator seeded by the seed and the iteration,
+so every strategy sees the same data); the validation loss is the mean cross entropy over
+``--eval-windows 64`` fixed windows of the validation text after ``--iters 120`` iterations.
+These sizes are chosen so that the whole comparison (8 strategies x 3 seeds on 4 workers) runs
+in about 4 minutes on an idle 2-core machine: one worker's iteration costs about 28 ms of CPU
+(1 thread), so 4 workers on 2 cores take about 60-70 ms per iteration with the exchange, about
+8 s per run, 24 runs. Larger sizes train further but take longer.
+
+Strategies (rows; ``--strategies`` picks some), each from the same initial weights per seed:
+
+- AdamW + all-reduce: fp32 gradient all-reduce, then AdamW (lr ``--adamw-lr``)
+- D-Lion vote, D-Lion average: ``DistributedLion`` (lr ``--lion-lr``)
+- D-Lion vote, overlap: the exchange overlapped with backward (bit-identical to D-Lion vote)
+- D-Lion vote, hierarchy L: exact gradient mean inside nodes of L = ``--ranks-per-node``
+  workers, the nodes vote
+- Decentralized <topology> accum-adamw: ``DecentralizedDataParallel`` with ``AccumAdamW``
+  (K = the number of workers, the AdamW learning rate, as the paper's recipe) on the ring,
+  one-peer-exp and alternating-exp-ring (nodes of ``--ranks-per-node``) topologies; evaluated on
+  the parameters averaged over the ranks (``global_average()``)
+
+The table gives per strategy the validation loss (mean and sample standard deviation over the
+seeds), the bytes each rank sent per step (the mean over steps: alternating-exp-ring's groups
+change size), and the wall time of one training run (mean over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .common import TASKS, Hyper, Strategy, launch, parse_name, same_on_all_ranks, task_of, why_not
+
+STDLIB_FILES = ("argparse.py", "textwrap.py", "functools.py", "contextlib.py", "heapq.py",
+                "fractions.py", "shlex.py", "string.py", "pprint.py", "calendar.py")
+VOCAB = 98  # ASCII 32..126 (95), "\n", "\t", unknown
+UNKNOWN = VOCAB - 1
+STRATEGIES = (
+    "AdamW + all-reduce",
+    "D-Lion vote",
+    "D-Lion average",
+    "D-Lion vote, overlap",
+    "D-Lion vote, hierarchy {L}",
+    "Decentralized ring accum-adamw",
+    "Decentralized one-peer-exp accum-adamw",
+    "Decentralized alternating-exp-ring accum-adamw",
+)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo --task chars",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=TASKS, default="chars",
+                    help="chars: this task; digits: the MLP demo")
+    ap.add_argument("--workers", type=int, default=4, help="processes to start (ignored under "
+                    "torchrun, which starts them)")
+    ap.add_argument("--iters", type=int, default=120, help="training iterations per run")
+    ap.add_argument("--batch-size", type=int, default=8, help="windows per worker per iteration")
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--lion-lr", type=float, default=3e-3, help="D-Lion (seed 0, the "
+                    "default sizes: 3e-3 reached validation loss 2.28, 1e-3 2.49; AdamW 2.30)")
+    ap.add_argument("--adamw-lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=1e-2)
+    ap.add_argument("--backend", default=None, help="dlion_kernels backend (default: auto)")
+    ap.add_argument("--accum-steps", type=int, default=None,
+                    help="K of AccumAdamW (default: the number of workers)")
+    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
+                    help="node size of hierarchical D-Lion and alternating-exp-ring (default: "
+                    "LOCAL_WORLD_SIZE if it makes two or more nodes, else 2)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--strategies", nargs="+", metavar="NAME", default=None,
+                    help="rows to run (default: all); names as in the table, e.g. "
+                    "'D-Lion vote' 'Decentralized ring accum-adamw'")
+    ap.add_argument("--json", metavar="FILE", help="also write the per-seed rows and the table "
+                    "rows as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    args = ap.parse_args(argv)
+    for flag in ("workers", "iters", "batch_size", "context", "d_model", "heads", "layers",
+                 "eval_windows"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.d_model % args.heads:
+        ap.error("--d-model must be a multiple of --heads")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        ap.error("--ranks-per-node must be >= 1")
+    for name in args.strategies or ():
+        try:
+            parse_name(name)
+        except ValueError as exc:
+            ap.error(f"--strategies: {exc}")
+    return args
+
+
+def ranks_per_node(args, n: int) -> int:
+    if args.ranks_per_node is not None:
+        return args.ranks_per_node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return local if local >= 1 and n % local == 0 and n // local >= 2 else 2
+
+
+def strategy_names(args, n: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the rows that can run on n workers, [(row, why not)] for the others)."""
+    L = ranks_per_node(args, n)
+    names = args.strategies or [s.format(L=L) for s in STRATEGIES]
+    runnable, skipped = [], []
+    for name in names:
+        reason = why_not(name, n, L)
+        (skipped.append((name, reason)) if reason else runnable.append(name))
+    return runnable, skipped
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _encode(text: str) -> torch.Tensor:
+    table = torch.full((256,), UNKNOWN, dtype=torch.uint8)
+    table[32:127] = torch.arange(95, dtype=torch.uint8)
+    table[ord("\n")], table[ord("\t")] = 95, 96
+    raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    return table[raw.long()]
+
+
+def load_text(files=STDLIB_FILES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train ids, validation ids) as uint8 tensors: the standard library files in order, the
+    last 10% of each file to validation."""
+    root = sysconfig.get_paths()["stdlib"]
+    train, val = [], []
+    for name in files:
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+            ids = _encode(f.read())
+        cut = int(0.9 * len(ids))
+        train.append(ids[:cut])
+        val.append(ids[cut:])
+    return torch.cat(train), torch.cat(val)
+
+
+def batch(ids: torch.Tensor, starts: torch.Tensor, context: int):
+    """Inputs and next-character targets of the windows starting at ``starts``."""
+    idx = starts[:, None] + torch.arange(context + 1)
+    window = ids[idx].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def train_starts(num_ids: int, seed: int, it: int, rank: int, n: int, size: int, context: int):
+    """This rank's share of iteration it's global batch (the same global batch for every
+    strategy; rank r takes windows r*size .. (r+1)*size - 1)."""
+    gen = torch.Generator().manual_seed(1_000_003 * seed + it)
+    starts = torch.randint(0, num_ids - context - 1, (n * size,), generator=gen)
+    return starts[rank * size : (rank + 1) * size]
+
+
+def val_starts(num_ids: int, windows: int, context: int) -> torch.Tensor:
+    """Evenly spaced windows over the validation text."""
+    last = num_ids - context - 1
+    return torch.linspace(0, last, min(windows, last + 1)).round().long()
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class CharTransformer(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, context: int):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(context, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(args, seed: int) -> CharTransformer:
+    torch.manual_seed(seed)
+    return CharTransformer(VOCAB, args.d_model, args.heads, args.layers, args.context)
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def val_loss(model, val, starts, context, device) -> float:
+    x, y = batch(val, starts, context)
+    return _loss(model(x.to(device)), y.to(device)).item()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_one(name, args, seed, rank, n, device, data):
+    train, val = data
+    model = make_model(args, seed).to(device)
+    hyper = Hyper(lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
+                  backend=args.backend, accum_steps=args.accum_steps, bucket_mb=0.125,
+                  ranks_per_node=ranks_per_node(args, n))
+    strategy = Strategy(name, model, n, hyper)
+    evals = val_starts(len(val), args.eval_windows, args.context)
+    initial = val_loss(model, val, evals, args.context, device)
+    recent = torch.zeros(2, device=device)  # training loss of the last 10% of the iterations
+    start = time.perf_counter()
+    for it in range(args.iters):
+        x, y = batch(train, train_starts(len(train), seed, it, rank, n, args.batch_size,
+                                         args.context), args.context)
+        loss = _loss(strategy.forward(x.to(device)), y.to(device))
+        strategy.step(loss)
+        if it >= args.iters - max(1, args.iters // 10):
+            recent += torch.stack([loss.detach(), torch.ones((), device=device)])
+    wall = time.perf_counter() - start
+    # Before the last mixing: decentralized ranks hold different parameters, the others not.
+    differ = not same_on_all_ranks(model, n)
+    tic = time.perf_counter()
+    strategy.finish()
+    wall += time.perf_counter() - tic
+    if n > 1:
+        dist.all_reduce(recent)  # logging only, not part of the bytes
+    own = torch.tensor(val_loss(model, val, evals, args.context, device), device=device)
+    if n > 1:
+        dist.all_reduce(own)  # the mean over ranks of each rank's own loss
+    with strategy.evaluation():  # decentralized: the parameters averaged over all ranks
+        loss_val = val_loss(model, val, evals, args.context, device)
+        eval_in_sync = same_on_all_ranks(model, n)
+    wall_t = torch.tensor([wall], dtype=torch.float64)
+    if n > 1:  # the slowest rank's time
+        dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+    return {
+        "strategy": name, "seed": seed, "val_loss": loss_val, "initial_val_loss": initial,
+        "own_val_loss_mean": own.item() / n, "train_loss_end": (recent[0] / recent[1]).item(),
+        "bytes_per_step": strategy.bytes_per_step, "steps": strategy.steps,
+        "inter_node_bytes_per_step": strategy.inter_node_bytes, "wall_s": wall_t.item(),
+        "ranks_differ": differ, "eval_in_sync": eval_in_sync,
+        "numel": sum(p.numel() for p in model.parameters()), "workers": n,
+    }
+
+
+def run(rank, n, args, device):
+    """Every strategy and seed on one rank (process group already set up); rank 0 gets rows."""
+    data = load_text()
+    names, skipped = strategy_names(args, n)
+    if rank == 0:
+        for name, reason in skipped:
+            print(f"skipping {name}: {reason}", flush=True)
+    rows = []
+    for seed in args.seeds:
+        for name in names:
+            if rank == 0 and not args.quiet:
+                print(f"seed {seed}: training with {name} on {n} worker(s)", flush=True)
+            rows.append(train_one(name, args, seed, rank, n, device, data))
+            if rank == 0 and not args.quiet:
+                r = rows[-1]
+                print(f"  validation loss {r['val_loss']:.4f} (from {r['initial_val_loss']:.4f})"
+                      f", {r['wall_s']:.1f} s", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(rows) -> list[dict]:
+    """One row per strategy, in the order run: mean and sample std over the seeds."""
+    out = {}
+    for r in rows:
+        out.setdefault(r["strategy"], []).append(r)
+    table = []
+    for name, runs in out.items():
+        losses = [r["val_loss"] for r in runs]
+        table.append({
+            "strategy": name, "seeds": [r["seed"] for r in runs],
+            "val_loss_mean": statistics.fmean(losses),
+            "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            "bytes_per_step": round(statistics.fmean(r["bytes_per_step"] for r in runs)),
+            "inter_node_bytes_per_step": runs[0]["inter_node_bytes_per_step"],
+            "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            "ranks_differ": any(r["ranks_differ"] for r in runs),
+            "eval_in_sync": all(r["eval_in_sync"] for r in runs)})
+    return table
+
+
+def format_table(table, rows) -> str:
+    n, seeds = rows[0]["workers"], len(table[0]["seeds"])
+    fp32 = next((t["bytes_per_step"] for t in table if t["strategy"] == "AdamW + all-reduce"),
+                round(2 * (n - 1) / n * 4 * rows[0]["numel"]))
+    lines = [
+        (f"| strategy ({n} workers, {rows[0]['steps']} iterations) | validation loss (mean ± std "
+        f"over {seeds} seed{'s' if seeds > 1 else ''}) | bytes sent / rank / step | vs fp32 "
+        "all-reduce | wall time / run (s) |"),
+        "|---|---|---|---|---|",
+    ]
+    for t in table:
+        b = t["bytes_per_step"]
+        ratio = "1" if b == fp32 else (f"1/{fp32 / b:.1f}" if b else "-")
+        lines.append(f"| {t['strategy']} | {t['val_loss_mean']:.4f} ± {t['val_loss_std']:.4f} | "
+                     f"{b:,} | {ratio} | {t['wall_s']:.1f} |")
+    initial = statistics.fmean(r["initial_val_loss"] for r in rows)
+    lines.append("")
+    lines.append(f"{rows[0]['numel']:,} parameters; validation loss at initialization "
+                 f"{initial:.4f} (uniform over the {VOCAB} characters: {math.log(VOCAB):.4f}).")
+    return "\n".join(lines)
+
+
+def report(rows, args, total_s) -> list[dict]:
+    table = summarize(rows)
+    print()
+    print(format_table(table, rows))
+    for t in table:
+        if t["inter_node_bytes_per_step"] is not None:
+            print(f"{t['strategy']}: of which between nodes {t['inter_node_bytes_per_step']:,} "
+                  "bytes / rank / step")
+    print(f"total time {total_s:.0f} s")
+    bad = [t["strategy"] for t in table if not t["eval_in_sync"]
+           or (t["ranks_differ"] and parse_name(t["strategy"])["kind"] != "decentralized")]
+    if bad:
+        print(f"WARNING: ranks ended with different parameters: {bad}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"},
+                       "table": table, "runs": rows, "total_s": total_s}, f, indent=1)
+    return table
+
+
+def main(argv=None):
+    if task_of(argv) not in (None, "chars"):
+        from . import digits
+
+        return digits.main(argv)
+    args = parse_args(argv)
+    start = time.perf_counter()
+    rows = launch(run, args.workers, args)
+    if rows is not None:  # rank 0 (every rank but 0 returns None under torchrun)
+        report(rows, args, time.perf_counter() - start)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
