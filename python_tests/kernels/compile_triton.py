@@ -94,8 +94,9 @@ def variants(quick: bool):
                 out.append((tk._tally_kernel, f"tally avg={avg} ternary={ternary} NP={np_}", sig,
                             const, ["stacked_ptr", "out_ptr"], 4))
     for kernel, scalars, lists in (
-        (ak._adamw_kernel, ak.ADAMW_SCALARS, ("x", "g", "a", "m", "v")),
-        (ak._lion_kernel, ak.LION_SCALARS, ("x", "g", "a", "m")),
+        # y: where x is read from (x itself, or a gossip buffer when the mixing is fused)
+        (ak._adamw_kernel, ak.ADAMW_SCALARS, ("x", "g", "a", "m", "v", "y")),
+        (ak._lion_kernel, ak.LION_SCALARS, ("x", "g", "a", "m", "y")),
     ):
         kind = kernel.__name__.strip("_").replace("_kernel", "")
         for x in ("fp32", "bf16", "fp16") if not quick else ("fp32", "bf16"):
@@ -103,7 +104,7 @@ def variants(quick: bool):
                 for aligned in (True, False) if not quick else (True,):
                     sig = {"meta_ptr": "*i64", "prog_ptr": "*i32"}
                     for name in lists:
-                        sig[f"{name}_base"] = f"*{T[x]}" if name in ("x", "g") else "*fp32"
+                        sig[f"{name}_base"] = f"*{T[x]}" if name in ("x", "g", "y") else "*fp32"
                     sig.update({name: "fp32" for name in scalars})
                     const = {"K1": k1, "FLUSH": flush, "BLOCK": 1024, "SOFT_BF16": False}
                     ptrs = ["meta_ptr", "prog_ptr"] + (
