@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.layout import block_offsets
+from .collectives import collective
 
 _MIB = 1 << 20
 
@@ -276,5 +277,8 @@ class BucketEngine:
         if "nccl" not in str(dist.get_backend(group)).lower():
             device = torch.device("cpu")
         perm = torch.tensor(order, dtype=torch.int64, device=device)
-        dist.broadcast(perm, src=dist.get_global_rank(group, 0), group=group)
+        # The order is agreed once, at the end of the first backward (the first step).
+        collective("broadcast(bucket order)", 1, dist.broadcast, perm,
+                   src=dist.get_global_rank(group, 0), group=group,
+                   label="first step of the bucket engine, step")
         return perm.tolist()
