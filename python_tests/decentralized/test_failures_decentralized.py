@@ -136,8 +136,12 @@ def test_dead_or_stalled_peer_ring_n4(healthy, action, point):
         assert GOSSIP.fullmatch(res["collective"]), res["collective"]
         assert f"decentralized iteration {res['step']}: collective {res['collective']}" \
             in res["error"]
-        # the gossip of FAULT_ITER is mixed at FAULT_ITER + 1: nobody fails earlier
-        assert res["step"] > FAULT_ITER, (r, res["step"], res["error"])
+        # the victim's gossip of FAULT_ITER is mixed at FAULT_ITER + 1; its gossip of
+        # FAULT_ITER - 1 was launched but may not have been served yet by its gloo thread when
+        # it died or froze (a loaded machine), so its partner of then may fail at FAULT_ITER
+        assert res["step"] >= FAULT_ITER, (r, res["step"], res["error"])
+        if res["step"] == FAULT_ITER:
+            assert r == 2, (r, res["error"])  # ring pairs at FAULT_ITER - 1: (1, 2), (0, 3)
         assert res["elapsed"] < PG_TIMEOUT + MARGIN, (r, res["elapsed"])
         _check_bucketwise(res, healthy[r], r)
     # rank 0, the victim's partner at FAULT_ITER, fails at the next iteration's mixing
