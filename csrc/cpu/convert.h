@@ -6,6 +6,14 @@
 #include <cstdint>
 #include <cstring>
 
+// Always inlined: GCC does not inline a plain inline function into a target("avx2") caller (the
+// multi-versioned block loops of accum_kernels.cpp), which left a call per element there.
+#if defined(__GNUC__) || defined(__clang__)
+#define DLION_CONVERT_INLINE inline __attribute__((always_inline))
+#else
+#define DLION_CONVERT_INLINE inline
+#endif
+
 namespace dlion {
 
 struct bf16 {
@@ -15,20 +23,22 @@ struct fp16 {
   uint16_t bits;
 };
 
-inline float bits_to_f32(uint32_t u) {
+DLION_CONVERT_INLINE float bits_to_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-inline uint32_t f32_to_bits(float f) {
+DLION_CONVERT_INLINE uint32_t f32_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return u;
 }
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(bf16 v) { return bits_to_f32(static_cast<uint32_t>(v.bits) << 16); }
-inline float to_f32(fp16 v) {
+DLION_CONVERT_INLINE float to_f32(float v) { return v; }
+DLION_CONVERT_INLINE float to_f32(bf16 v) {
+  return bits_to_f32(static_cast<uint32_t>(v.bits) << 16);
+}
+DLION_CONVERT_INLINE float to_f32(fp16 v) {
   const uint32_t w = static_cast<uint32_t>(v.bits) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
@@ -42,12 +52,12 @@ template <typename T>
 inline T from_f32(float f);
 
 template <>
-inline float from_f32<float>(float f) {
+DLION_CONVERT_INLINE float from_f32<float>(float f) {
   return f;
 }
 
 template <>
-inline bf16 from_f32<bf16>(float f) {
+DLION_CONVERT_INLINE bf16 from_f32<bf16>(float f) {
   const uint32_t u = f32_to_bits(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
@@ -55,7 +65,7 @@ inline bf16 from_f32<bf16>(float f) {
 }
 
 template <>
-inline fp16 from_f32<fp16>(float f) {
+DLION_CONVERT_INLINE fp16 from_f32<fp16>(float f) {
   const uint32_t w = f32_to_bits(f);
   float base = (bits_to_f32(f32_to_bits(f) & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t shl1_w = w + w;
