@@ -499,9 +499,12 @@ def test_n_limit_raises_before_launch(emu):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("kind", ["adamw", "lion"])
-def test_accum_kernels(emu, kind, K, dtype):
+@pytest.mark.parametrize("mixed", [False, True], ids=["in-place", "sources"])
+def test_accum_kernels(emu, kind, K, dtype, mixed):
     """Seven steps (flush and accumulate steps), sizes 1, 31, 33, 4097 and a misaligned 4097:
-    parameters and every state equal the fp32 reference bit for bit after every step."""
+    parameters and every state equal the fp32 reference bit for bit after every step. With
+    ``sources`` (the table's y row: the decentralized wrapper's fused mixing) x is read from a
+    fresh buffer each step, which must stay untouched."""
     gen = torch.Generator().manual_seed(K)
     arena = Arena(gen)
     backend = EmuAccum(emu)
@@ -514,16 +517,21 @@ def test_accum_kernels(emu, kind, K, dtype):
         gs = [arena.put((torch.randn(n, generator=gen) * 10.0 ** (t % 3 - 1)).to(dtype), s)
               for n, s in zip(sizes, shift)]
         gs[2][0] = 0.0
+        ys = [arena.put(_values(n, dtype, gen), s) for n, s in zip(sizes, shift)] if mixed \
+            else None
+        kept = [y.clone() for y in ys] if mixed else []
         if kind == "adamw":
             kw = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
-                  "accum_steps": K, "step": t}
+                  "accum_steps": K, "step": t, "sources": ys}
             backend.adamw(xs, gs, *states, **kw)
             accum.adamw_reference(ex, gs, *es, **kw)
         else:
             kw = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
-                  "accum_steps": K, "step": t}
+                  "accum_steps": K, "step": t, "sources": ys}
             backend.lion(xs, gs, *states[:2], **kw)
             accum.lion_reference(ex, gs, *es[:2], **kw)
+        for i, (y, k) in enumerate(zip(ys or [], kept)):
+            assert_same(y, k, f"step {t} sources[{i}] (read only)")
         for i, (a, e) in enumerate(zip(xs, ex)):
             assert_same(a, e, f"step {t} params[{i}]")
         for name, A, E in zip(("accum", "exp_avg", "exp_avg_sq"), states, es):
