@@ -35,7 +35,11 @@ Streams (CUDA; on CPU every call below is a no-op and the same code runs):
   Buffers cross streams with ``record_stream`` so the caching allocator does not reuse them
   early. The skip flag stays on the device for ``apply``; the host reads the header words once
   per step, at the end, to raise (``nonfinite="raise"``, a step mismatch) and to know whether
-  the step counter advances.
+  the step counter advances. ``finish(defer=True)`` (what ``DistributedLion`` uses on CUDA when
+  nothing must raise in this step: ``nonfinite="skip"`` or a GradScaler) does not read them: it
+  queues a copy into pinned host memory behind an event and leaves the ``Verdict`` to be read
+  later (at the next step, when the GPU is long past this one), so the step makes no
+  device-to-host synchronisation at all.
 """
 
 from __future__ import annotations
@@ -268,6 +272,40 @@ def _by_segment(rows):
 # ----------------------------------------------------------------------------- one step
 
 
+class Verdict:
+    """What the gathered headers of one step decide, read on the host now or later.
+
+    ``skip`` is the device flag the applies obeyed (None: no bucket). With ``defer`` on CUDA
+    the headers travel to pinned host memory behind an event, and ``resolve()`` waits only for
+    that event; otherwise they are read at once. ``resolve()`` raises ``StepMismatchError`` (the
+    same on every rank) and, when ``nonfinite="raise"`` without a GradScaler, the
+    ``NonFiniteGradientError``; it returns whether the step was skipped."""
+
+    def __init__(self, headers, skip, nonfinite: str, scaled: bool, defer: bool):
+        self.skip, self.nonfinite, self.scaled = skip, nonfinite, scaled
+        self.event = None
+        if defer and headers.is_cuda:
+            self.headers = torch.empty(headers.shape, dtype=headers.dtype, pin_memory=True)
+            self.headers.copy_(headers, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.headers = headers if defer else headers.cpu()
+
+    def resolve(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        skipped = False
+        for bucket_headers in self.headers.cpu():  # raises StepMismatchError alike on every rank
+            skipped |= decide(bucket_headers)
+        if skipped and self.nonfinite == "raise" and not self.scaled:
+            raise NonFiniteGradientError(
+                "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
+                "rank (pass nonfinite='skip' to skip such steps instead)")
+        return skipped
+
+
+
 class Exchange:
     """The exchanges of one step, bucket by bucket.
 
@@ -333,7 +371,10 @@ class Exchange:
             for w in self.works:
                 w.wait()
 
-    def finish(self) -> StepStats:
+    def finish(self, defer: bool = False) -> StepStats:
+        """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
+        host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
+        resolves ``self.verdict``."""
         with self.streams.on_side():
             self._reduce_upto(len(self.works))
             for w in self.works:
@@ -352,17 +393,12 @@ class Exchange:
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
             w.apply(skip)
-        headers = headers.cpu()  # the one host read per step, after the applies are issued
-        numel = sum(w.numel for w in self.works)
-        skipped = False
-        for bucket_headers in headers:  # raises StepMismatchError alike on every rank
-            skipped |= decide(bucket_headers)
-        if skipped and self.nonfinite == "raise" and self.found_inf is None:
-            raise NonFiniteGradientError(
-                "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
-                "rank (pass nonfinite='skip' to skip such steps instead)")
+        # the one host read per step, after the applies are issued (none when deferred)
+        self.verdict = Verdict(headers, skip, self.nonfinite, self.found_inf is not None, defer)
+        skipped = False if defer else self.verdict.resolve()
         for original, copy in self.write_back:
             original.copy_(copy)
+        numel = sum(w.numel for w in self.works)
         return StepStats(self.sent, self.sent, numel, self.n, self.mode, self.votes,
                          self.backend, skipped=skipped, buckets=len(self.works))
 

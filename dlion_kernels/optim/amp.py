@@ -67,12 +67,16 @@ def before_exchange(opt, grad_scaler, device) -> torch.Tensor | None:
     return flag
 
 
-def after_exchange(opt, grad_scaler, skipped: bool) -> None:
-    """Make ``grad_scaler.update()`` see the decision all ranks took."""
+def after_exchange(opt, grad_scaler, skipped) -> None:
+    """Make ``grad_scaler.update()`` see the decision all ranks took: a bool, or the device skip
+    flag itself (a deferred decision: copied on the device, never read back; None = no skip)."""
     if grad_scaler is None or not grad_scaler.is_enabled():
         return
     for t in _found_inf_tensors(grad_scaler, opt).values():
-        t.fill_(1.0 if skipped else 0.0)
+        if isinstance(skipped, torch.Tensor):
+            t.copy_((skipped.reshape(-1)[:1] != 0).to(device=t.device, dtype=t.dtype).view(t.shape))
+        else:
+            t.fill_(1.0 if skipped else 0.0)
 
 
 def _sum_on(tensors, device) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -69,6 +70,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     Ranks on different steps (e.g. one rank resumed from another checkpoint) raise
     ``StepMismatchError`` on every rank, naming both step numbers; nothing is modified.
 
+    Host syncs on CUDA: with ``nonfinite="raise"`` a step reads the ranks' headers once (to
+    raise). With ``nonfinite="skip"`` or a GradScaler it reads nothing: the decision is settled
+    later, at the next ``step()``, ``state_dict()``, or when ``last_stats`` is read. Until then a
+    step's counters (``state[p]["step"]``) count it as taken, and a step mismatch raises there
+    (at the next step, naming the mismatched one; the mismatched step changed nothing).
+
     AMP: ``torch.amp.GradScaler`` works as with any optimizer (``scaler.step(opt)``,
     ``scaler.update()``). ``scaler.step`` calls ``step`` on every rank; the gradients are unscaled
     here, the overflow decision is taken for all ranks at once in the exchange (an overflow on
@@ -99,6 +106,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
+    _defer_on_cpu = False  # tests: settle the verdict later on CPU too (always so on CUDA)
 
     def __init__(
         self,
@@ -142,7 +150,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self.backend, self.nonfinite = backend, nonfinite
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
         self.timeout = timeout
-        self.last_stats: StepStats | None = None
+        self._last_stats: StepStats | None = None
         if auto:
             self._choose_hierarchy()
         self._runtime()
@@ -172,6 +180,48 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self._engine: BucketEngine | None = None
         self._ddp_hooked = False
         self._found_inf = None
+        self._pending = None  # a deferred step's (verdict, stats, params, step): _settle()
+
+    # ------------------------------------------------------------------------- the verdict
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """The ``StepStats`` of the latest step (reading it settles a deferred decision)."""
+        self._settle()
+        return self.__dict__.get("_last_stats")
+
+    @last_stats.setter
+    def last_stats(self, value) -> None:
+        self._last_stats = value
+
+    def _settle(self) -> None:
+        """Read a deferred step's decision: a skipped step's counters go back, a step mismatch
+        raises now (on every rank)."""
+        pending = self.__dict__.get("_pending")
+        if pending is None:
+            return
+        self._pending = None
+        verdict, stats, params, step = pending
+        try:
+            skipped = verdict.resolve()
+        except BaseException:
+            skipped = True
+            raise
+        finally:
+            if skipped:
+                for p in params:
+                    self.state[p]["step"] = step
+        self._last_stats = dataclasses.replace(stats, skipped=skipped)
+
+    def __getstate__(self):
+        self._settle()
+        state = super().__getstate__()
+        state["_last_stats"] = self.__dict__.get("_last_stats")  # copies keep last_stats
+        return state
+
+    def state_dict(self):
+        self._settle()
+        return super().state_dict()
 
     def add_param_group(self, param_group: dict) -> None:
         """Also after construction: the new parameters get their state on their first step."""
@@ -226,6 +276,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         """The exchange of this step, created when its first bucket starts."""
         self._runtime()
         if self._exchange is None:
+            self._settle()  # the step counters of the last step, for this step's header
             self._segments = []
             for g in self.param_groups:
                 beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
@@ -276,6 +327,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         (never pass it yourself)."""
         attached_group(self.group, self)
         self._runtime()
+        if self._exchange is None:
+            self._settle()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -304,16 +357,22 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
                 _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
                 seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
-            self.last_stats = ex.finish()
+            # Nothing can raise from this step's decision: leave it on the device (no host sync)
+            defer = (device.type == "cuda" or self._defer_on_cpu) and (
+                self.nonfinite == "skip" or self._found_inf is not None)
+            stats = ex.finish(defer=defer)
         finally:
             self._found_inf = None
             self._exchange = None
             if self.overlap and self._engine is None and not self._ddp_hooked:
                 self._build_engine()  # a copy's hooks (the next backward records the order)
-        amp.after_exchange(self, grad_scaler, self.last_stats.skipped)
-        if not self.last_stats.skipped:
+        self._last_stats = stats
+        amp.after_exchange(self, grad_scaler, ex.verdict.skip if defer else stats.skipped)
+        if not stats.skipped:  # deferred: counted as taken until _settle() reads the verdict
             for p in params:
                 self.state[p]["step"] = ex.step + 1
+        if defer:
+            self._pending = (ex.verdict, stats, params, ex.step)
         return loss
 
     def _hierarchical_step(self) -> StepStats:
@@ -343,6 +402,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         return stats
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._settle()
         # torch casts floating state to the param's dtype; momentum stays fp32 here for exact
         # resume of bf16/fp16 models, so put the saved fp32 values back afterwards.
         saved = state_dict["state"]
