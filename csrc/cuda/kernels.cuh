@@ -5,8 +5,8 @@
 // local_step and apply walk a list of tensors in one launch: the grid is one CTA per chunk of
 // kChunk elements of one tensor; a CTA finds its tensor by binary search in the table's chunk row
 // (common.h). Inside a chunk, pass u of kUnroll covers kThreads * kVec contiguous elements, each
-// thread kVec consecutive ones (one 16-byte fp32 / 8-byte bf16/fp16 access when aligned), each
-// warp 128 elements = 4 packed words. fp32 math, one rounding per operation (__fmul_rn etc.).
+// thread kVec consecutive ones (one 16-byte fp32 / 8-byte bf16/fp16 access; a misaligned array
+// is realigned across the warp, load_shifted), each warp 128 elements = 4 packed words. fp32 math, one rounding per operation (__fmul_rn etc.).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -143,19 +143,92 @@ using namespace detail;  // NOLINT: helpers of the kernels below
 
 // ----------------------------------------------------------------------------- local_step
 
-// Loads kVec consecutive elements at element i of p (as fp32), zeros past `numel`. `vec`: p is
-// aligned to a kVec-element vector, so a full group is one vector access; each array decides for
-// itself, so a misaligned array runs scalar without taking the other arrays with it.
+// Elements p is off a kVec-element vector boundary (0: aligned). Each array decides for itself,
+// so one misaligned array does not take the others off the vector path.
 template <typename T>
-__device__ __forceinline__ void load_group(const T* p, int64_t i, int64_t numel, bool vec,
-                                           float (&v)[kVec]) {
-  if (i + kVec <= numel) {
-    if (vec) {
-      load_vec(p + i, v);
+__device__ __forceinline__ int misalignment(const T* p) {
+  return static_cast<int>((reinterpret_cast<uintptr_t>(p) / sizeof(T)) % kVec);
+}
+
+// v[j] = w[k + j] of the window w = a ++ b, k = 1..3 (a run-time shift, constant indices).
+__device__ __forceinline__ void window(const float (&a)[kVec], const float (&b)[kVec], int k,
+                                       float (&v)[kVec]) {
+  static_assert(kVec == 4, "window() is written for 4-element groups");
+  v[0] = k == 1 ? a[1] : k == 2 ? a[2] : a[3];
+  v[1] = k == 1 ? a[2] : k == 2 ? a[3] : b[0];
+  v[2] = k == 1 ? a[3] : k == 2 ? b[0] : b[1];
+  v[3] = k == 1 ? b[0] : k == 2 ? b[1] : b[2];
+}
+
+// A misaligned array (a view at an odd offset: bf16 tensors in a flat buffer, DDP bucket views)
+// still moves in vectors, realigned across the warp. Pass u of a warp covers 128 contiguous
+// elements, lane l the group [i, i + 4) with i = w + 4 l; with p off by `mis` elements the
+// aligned vectors start at s = i + 4 - mis. Lane l loads and stores the aligned vector V_l =
+// [s, s + 4): its own last mis elements and lane l + 1's first 4 - mis, moved by one shuffle.
+// Lane 0 also loads V_-1 for its head; on stores, lane 0's first 4 - mis and lane 31's last mis
+// elements go one by one. A vector is read only if it holds an element of the tensor (an aligned
+// 16-byte unit with a byte of the allocation lies inside it) and written only if all four are.
+// Every lane of the warp must call these together (mis is the CTA's tensor's, so it is uniform).
+template <typename T>
+__device__ __forceinline__ void load_shifted(const T* p, int64_t i, int64_t numel, int mis,
+                                             float (&v)[kVec]) {
+  const int lane = threadIdx.x & 31;
+  const int64_t s = i + kVec - mis;
+  float cur[kVec], prev[kVec];
+  if (s < numel) {
+    load_vec(p + s, cur);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) cur[j] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) prev[j] = __shfl_up_sync(kFullMask, cur[j], 1);
+  if (lane == 0) {
+    if (i - mis < numel) {
+      load_vec(p + (i - mis), prev);
     } else {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[j] = to_float(p[i + j]);
+      for (int j = 0; j < kVec; ++j) prev[j] = 0.0f;
     }
+  }
+  window(prev, cur, mis, v);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j)
+    if (i + j >= numel) v[j] = 0.0f;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_shifted(T* p, int64_t i, int64_t numel, int mis,
+                                              const float (&v)[kVec]) {
+  const int lane = threadIdx.x & 31;
+  const int64_t s = i + kVec - mis;
+  float next[kVec], out[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) next[j] = __shfl_down_sync(kFullMask, v[j], 1);
+  window(v, next, kVec - mis, out);  // V_l; on lane 31 only out[0 .. mis) are its own
+  if (lane != 31 && s + kVec <= numel) {
+    store_vec(p + s, out);
+  } else {
+    const int own = lane == 31 ? mis : kVec;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (j < own && s + j < numel) p[s + j] = from_float<T>(out[j]);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (j < kVec - mis && i + j < numel) p[i + j] = from_float<T>(v[j]);
+  }
+}
+
+// Loads kVec consecutive elements at element i of p (as fp32), zeros past `numel`; `mis`:
+// misalignment(p) (0: a full group is one vector access).
+template <typename T>
+__device__ __forceinline__ void load_group(const T* p, int64_t i, int64_t numel, int mis,
+                                           float (&v)[kVec]) {
+  if (mis != 0) return load_shifted(p, i, numel, mis, v);
+  if (i + kVec <= numel) {
+    load_vec(p + i, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = i + j < numel ? to_float(p[i + j]) : 0.0f;
@@ -163,20 +236,16 @@ __device__ __forceinline__ void load_group(const T* p, int64_t i, int64_t numel,
 }
 
 template <typename T>
-__device__ __forceinline__ void store_group(T* p, int64_t i, int64_t numel, bool vec,
+__device__ __forceinline__ void store_group(T* p, int64_t i, int64_t numel, int mis,
                                             const float (&v)[kVec]) {
-  if (vec && i + kVec <= numel) {
+  if (mis != 0) return store_shifted(p, i, numel, mis, v);
+  if (i + kVec <= numel) {
     store_vec(p + i, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
       if (i + j < numel) p[i + j] = from_float<T>(v[j]);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ bool vec_aligned(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % (kVec * sizeof(T)) == 0;
 }
 
 // G: float | __nv_bfloat16 | __half (gradient; null = zeros); momentum is fp32 and only read
@@ -188,16 +257,16 @@ __global__ void __launch_bounds__(kThreads)
   const Entry e = load_entry(table, n_tensors);
   const G* __restrict__ g = static_cast<const G*>(e.a);
   const float* __restrict__ m = static_cast<const float*>(e.b);
-  const bool vec_m = vec_aligned(m), vec_g = g != nullptr && vec_aligned(g);
+  const int mis_m = misalignment(m), mis_g = g != nullptr ? misalignment(g) : 0;
 
   // Loads of all passes first: kUnroll * (16 + 4 * sizeof(G)) bytes in flight per thread.
   float gv[kUnroll][kVec], mv[kUnroll][kVec];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = element_index(e.base, u);
-    load_group(m, i, e.numel, vec_m, mv[u]);
+    load_group(m, i, e.numel, mis_m, mv[u]);
     if (g != nullptr) {
-      load_group(g, i, e.numel, vec_g, gv[u]);
+      load_group(g, i, e.numel, mis_g, gv[u]);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
@@ -246,15 +315,15 @@ __global__ void __launch_bounds__(kThreads)
   float* __restrict__ m = static_cast<float*>(e.b);
   const G* __restrict__ g = reinterpret_cast<const G*>(
       __ldg(table + kRowC * n_tensors + e.t));
-  const bool vec_x = vec_aligned(x), vec_m = vec_aligned(m);
-  const bool vec_g = g != nullptr && vec_aligned(g);
+  const int mis_x = misalignment(x), mis_m = misalignment(m);
+  const int mis_g = g != nullptr ? misalignment(g) : 0;
 
   float xv[kUnroll][kVec];
   uint32_t w0[kUnroll], w1[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = element_index(e.base, u);
-    load_group(x, i, e.numel, vec_x, xv[u]);
+    load_group(x, i, e.numel, mis_x, xv[u]);
     w0[u] = w1[u] = 0;
     if constexpr (KIND == kVoteBinary || KIND == kVoteTernary) {
       if (i < e.numel) {
@@ -299,7 +368,7 @@ __global__ void __launch_bounds__(kThreads)
       const float xf = xv[u][j];
       xv[u][j] = __fsub_rn(xf, __fmul_rn(lr, __fadd_rn(d[j], __fmul_rn(wd, xf))));
     }
-    store_group(x, i, e.numel, vec_x, xv[u]);
+    store_group(x, i, e.numel, mis_x, xv[u]);
   }
 
   // The momentum, after x so that x's registers are free: kUnroll * (16 + 4 * sizeof(G)) bytes
@@ -308,9 +377,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t i = element_index(e.base, u);
-    load_group(m, i, e.numel, vec_m, mv[u]);
+    load_group(m, i, e.numel, mis_m, mv[u]);
     if (g != nullptr) {
-      load_group(g, i, e.numel, vec_g, gv[u]);
+      load_group(g, i, e.numel, mis_g, gv[u]);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
@@ -322,7 +391,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
       mv[u][j] = __fadd_rn(__fmul_rn(b2, mv[u][j]), __fmul_rn(omb2, gv[u][j]));
-    store_group(m, i, e.numel, vec_m, mv[u]);
+    store_group(m, i, e.numel, mis_m, mv[u]);
   }
 }
 

@@ -326,10 +326,14 @@ def test_emulated_bf16_fp16_conversions_match_torch(emu):
 
 
 def _stage_lists(arena, gen, x_dtype, g_dtype, with_none=True):
-    """Parameters, gradients and momenta of SIZES plus misaligned ones: x of a 4097-tensor, g of
-    a 33-tensor, m of a 100-tensor, each off by one element, and a tensor without gradient."""
-    sizes = SIZES + [4097, 33, 100] + ([31] if with_none else [])
-    shifts = {4: ("x", 1), 5: ("g", 1), 6: ("m", 1)}
+    """Parameters, gradients and momenta of SIZES plus misaligned ones (x, g and m each off by
+    1, 2 and 3 elements, across several warps and passes, and in tensors shorter than a group),
+    and a tensor without gradient."""
+    misaligned = [(4097, "x", 1), (5000, "x", 2), (130, "x", 3), (2, "x", 3),
+                  (33, "g", 1), (4099, "g", 3), (3, "g", 2),
+                  (100, "m", 1), (4096, "m", 2), (7, "m", 3)]
+    sizes = SIZES + [n for n, _, _ in misaligned] + ([31] if with_none else [])
+    shifts = {len(SIZES) + k: (which, shift) for k, (_, which, shift) in enumerate(misaligned)}
     xs, gs, ms = [], [], []
     for i, n in enumerate(sizes):
         which, shift = shifts.get(i, (None, 0))
