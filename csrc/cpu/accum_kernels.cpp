@@ -10,25 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define DLION_ACCUM_AVX2 1
-#include <immintrin.h>
-#define DLION_AVX2_TARGET __attribute__((target("avx2,f16c")))
-#endif
-
 #include "cpu/convert.h"
 #include "cpu/thread_pool.h"
-
-#if defined(__GNUC__) || defined(__clang__)
-#define DLION_INLINE inline __attribute__((always_inline))
-#else
-#define DLION_INLINE inline
-#endif
 
 namespace dlion {
 namespace {
@@ -39,43 +26,21 @@ using accum::LionArgs;
 constexpr int kB = 32;                  // elements per block (fixed-length inner loops)
 constexpr int64_t kTaskElems = 1 << 16;  // elements per thread-pool task
 
-#ifdef DLION_ACCUM_AVX2
-bool has_avx2() {
-  static const bool has = [] {
-    const char* off = std::getenv("DLION_CPU_NO_AVX2");
-    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("f16c") != 0;
-  }();
-  return has;
-}
-DLION_AVX2_TARGET inline void f16c_load(const fp16* p, float* out) {
-  for (int k = 0; k < kB; k += 8)
-    _mm256_storeu_ps(out + k,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k))));
-}
-DLION_AVX2_TARGET inline void f16c_store(fp16* p, const float* in) {
-  for (int k = 0; k < kB; k += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(in + k), _MM_FROUND_TO_NEAREST_INT));
-}
-#endif
-
 // count elements of p (count == kB: a full block, the vectorized path) to fp32 and back.
 template <bool HW, typename T>
-DLION_INLINE void load(const T* p, float* out, int count) {
-#ifdef DLION_ACCUM_AVX2
+DLION_ALWAYS_INLINE void load(const T* p, float* out, int count) {
+#ifdef DLION_HAVE_AVX2_CLONE
   if constexpr (HW && std::is_same_v<T, fp16>) {
-    if (count == kB) return f16c_load(p, out);
+    if (count == kB) return fp16_load_block<kB>(p, out);
   }
 #endif
   for (int j = 0; j < count; ++j) out[j] = to_f32(p[j]);
 }
 template <bool HW, typename T>
-DLION_INLINE void store(T* p, const float* in, int count) {
-#ifdef DLION_ACCUM_AVX2
+DLION_ALWAYS_INLINE void store(T* p, const float* in, int count) {
+#ifdef DLION_HAVE_AVX2_CLONE
   if constexpr (HW && std::is_same_v<T, fp16>) {
-    if (count == kB) return f16c_store(p, in);
+    if (count == kB) return fp16_store_block<kB>(p, in);
   }
 #endif
   for (int j = 0; j < count; ++j) p[j] = from_f32<T>(in[j]);
@@ -84,7 +49,7 @@ DLION_INLINE void store(T* p, const float* in, int count) {
 // ----------------------------------------------------------------------------- AccumAdamW
 
 template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_INLINE void adamw_block(T* x, const T* y, const T* g, float* a, float* m, float* v,
+DLION_ALWAYS_INLINE void adamw_block(T* x, const T* y, const T* g, float* a, float* m, float* v,
                               int count, const AdamWArgs& s) {
   // N = kB for full blocks (fixed trip count: vectorizes), 0 for the tail (count elements).
   const int len = N ? N : count;
@@ -115,7 +80,7 @@ DLION_INLINE void adamw_block(T* x, const T* y, const T* g, float* a, float* m, 
 }
 
 template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_INLINE void adamw_range(T* x, const T* y, const T* g, float* a, float* m, float* v,
+DLION_ALWAYS_INLINE void adamw_range(T* x, const T* y, const T* g, float* a, float* m, float* v,
                               int64_t begin, int64_t end, const AdamWArgs& s) {
   int64_t i = begin;
   for (; i + kB <= end; i += kB)
@@ -130,9 +95,9 @@ void adamw_base(T* x, const T* y, const T* g, float* a, float* m, float* v, int6
                 int64_t e, const AdamWArgs& s) {
   adamw_range<T, K1, FLUSH, false>(x, y, g, a, m, v, b, e, s);
 }
-#ifdef DLION_ACCUM_AVX2
+#ifdef DLION_HAVE_AVX2_CLONE
 template <typename T, bool K1, bool FLUSH>
-DLION_AVX2_TARGET void adamw_avx2(T* x, const T* y, const T* g, float* a, float* m, float* v,
+DLION_AVX2 void adamw_avx2(T* x, const T* y, const T* g, float* a, float* m, float* v,
                                   int64_t b, int64_t e, const AdamWArgs& s) {
   adamw_range<T, K1, FLUSH, true>(x, y, g, a, m, v, b, e, s);
 }
@@ -141,7 +106,7 @@ DLION_AVX2_TARGET void adamw_avx2(T* x, const T* y, const T* g, float* a, float*
 // ----------------------------------------------------------------------------- AccumLion
 
 template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_INLINE void lion_block(T* x, const T* y, const T* g, float* a, float* m, int count,
+DLION_ALWAYS_INLINE void lion_block(T* x, const T* y, const T* g, float* a, float* m, int count,
                              const LionArgs& s) {
   const int len = N ? N : count;
   alignas(32) float xv[kB];
@@ -165,7 +130,7 @@ DLION_INLINE void lion_block(T* x, const T* y, const T* g, float* a, float* m, i
 }
 
 template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_INLINE void lion_range(T* x, const T* y, const T* g, float* a, float* m, int64_t begin,
+DLION_ALWAYS_INLINE void lion_range(T* x, const T* y, const T* g, float* a, float* m, int64_t begin,
                              int64_t end, const LionArgs& s) {
   int64_t i = begin;
   for (; i + kB <= end; i += kB)
@@ -180,9 +145,9 @@ void lion_base(T* x, const T* y, const T* g, float* a, float* m, float*, int64_t
                const LionArgs& s) {
   lion_range<T, K1, FLUSH, false>(x, y, g, a, m, b, e, s);
 }
-#ifdef DLION_ACCUM_AVX2
+#ifdef DLION_HAVE_AVX2_CLONE
 template <typename T, bool K1, bool FLUSH>
-DLION_AVX2_TARGET void lion_avx2(T* x, const T* y, const T* g, float* a, float* m, float*,
+DLION_AVX2 void lion_avx2(T* x, const T* y, const T* g, float* a, float* m, float*,
                                  int64_t b, int64_t e, const LionArgs& s) {
   lion_range<T, K1, FLUSH, true>(x, y, g, a, m, b, e, s);
 }
@@ -224,8 +189,8 @@ void run(const int64_t* table, int64_t n_tensors, RangeFn<T, Args> fn, const Arg
   });
 }
 
-#ifdef DLION_ACCUM_AVX2
-#define DLION_ACCUM_PICK(fn, ...) (has_avx2() ? &fn##_avx2<__VA_ARGS__> : &fn##_base<__VA_ARGS__>)
+#ifdef DLION_HAVE_AVX2_CLONE
+#define DLION_ACCUM_PICK(fn, ...) (cpu_has_avx2() ? &fn##_avx2<__VA_ARGS__> : &fn##_base<__VA_ARGS__>)
 #else
 #define DLION_ACCUM_PICK(fn, ...) (&fn##_base<__VA_ARGS__>)
 #endif

@@ -19,24 +19,24 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define DLION_HAVE_AVX2_CLONE 1
-#include <immintrin.h>
-#define DLION_AVX2 __attribute__((target("avx2,f16c")))
-#endif
 
 #include "cpu/convert.h"
 #include "cpu/thread_pool.h"
 
-#if defined(__GNUC__) || defined(__clang__)
-#define DLION_ALWAYS_INLINE inline __attribute__((always_inline))
-#elif defined(_MSC_VER)
-#define DLION_ALWAYS_INLINE __forceinline
-#else
-#define DLION_ALWAYS_INLINE inline
+namespace dlion {
+
+#ifdef DLION_HAVE_AVX2_CLONE
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    const char* off = std::getenv("DLION_CPU_NO_AVX2");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("f16c") != 0;
+  }();
+  return has;
+}
 #endif
 
-namespace dlion {
 namespace {
 
 constexpr int64_t kTaskBlocks = 2048;      // 64K elements per task for local_step / apply
@@ -100,31 +100,6 @@ inline void pack_signs(const float* c, uint32_t* pos, uint32_t* neg) {
 
 // ----------------------------------------------------------------------------- ISA variants
 
-#ifdef DLION_HAVE_AVX2_CLONE
-// DLION_CPU_NO_AVX2=1 keeps the baseline code (for tests and benchmarks of that path).
-bool cpu_has_avx2() {
-  static const bool has = [] {
-    const char* off = std::getenv("DLION_CPU_NO_AVX2");
-    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("f16c") != 0;
-  }();
-  return has;
-}
-
-DLION_AVX2 inline void fp16_load_block(const fp16* p, float* out) {
-  for (int k = 0; k < kBlock; k += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
-    _mm256_storeu_ps(out + k, _mm256_cvtph_ps(h));
-  }
-}
-DLION_AVX2 inline void fp16_store_block(fp16* p, const float* in) {
-  for (int k = 0; k < kBlock; k += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + k), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k), h);
-  }
-}
-#endif
 
 // Whether full blocks of T convert through load_block/store_block (fp16 with F16C) rather than
 // element by element inside the arithmetic loop.
@@ -137,7 +112,7 @@ template <bool HW, typename T>
 DLION_ALWAYS_INLINE void load_block(const T* p, float* out) {
 #ifdef DLION_HAVE_AVX2_CLONE
   if constexpr (HW && std::is_same_v<T, fp16>) {
-    fp16_load_block(p, out);
+    fp16_load_block<kBlock>(p, out);
     return;
   }
 #endif
@@ -147,7 +122,7 @@ template <bool HW, typename T>
 DLION_ALWAYS_INLINE void store_block(T* p, const float* in) {
 #ifdef DLION_HAVE_AVX2_CLONE
   if constexpr (HW && std::is_same_v<T, fp16>) {
-    fp16_store_block(p, in);
+    fp16_store_block<kBlock>(p, in);
     return;
   }
 #endif
