@@ -21,6 +21,10 @@ Loading: every rank reads and checks what it needs (manifest, sizes, sha256, tha
 fits the optimizer) without changing anything; the ranks then agree (one all_gather) and either
 all load or all raise ``CheckpointError`` naming the file and what is wrong.
 
+Failures: a rank that dies or stalls inside save_state/load_state makes the others raise
+``DistributedStepError`` naming the call and the collective (``exchange/collectives.py``), bounded
+by the group's timeout; the previous checkpoint stays loadable, and a load changes nothing.
+
 Resizing (the manifest's world size differs from the group's): every new rank takes the MEAN of
 the old ranks' floating-point state (momenta), accumulated in float64 in rank order, so all new
 ranks start with the same momentum; integer and other entries (step counts) are taken from old
@@ -40,6 +44,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .exchange.collectives import collective
 
 FORMAT = "dlion_kernels.checkpoint"
 FORMAT_VERSION = 1
@@ -91,12 +97,29 @@ def _rank_and_size(obj, group):
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _all_gather_object(value, group, n):
+def _call(directory, what: str, name: str, fn, *args, **kwargs) -> None:
+    """An object collective of save_state/load_state: a dead or stalled peer raises
+    ``DistributedStepError`` naming the call, the directory and the collective."""
+    applied = ("this save may not be complete: the directory's manifest names a complete "
+               "checkpoint, this one or the previous" if what == "save"
+               else "nothing was loaded on this rank")
+    collective(name, directory, fn, *args, label=f"checkpoint {what} of", applied=applied,
+               **kwargs)
+
+
+def _all_gather_object(value, group, n, directory, what: str, name: str):
     if n == 1:
         return [value]
     out = [None] * n
-    dist.all_gather_object(out, value, group=group)
+    _call(directory, what, f"all_gather_object({name})", dist.all_gather_object, out, value,
+          group=group)
     return out
+
+
+def _broadcast_object(values: list, group, directory, name: str) -> None:
+    """Rank 0 of ``group``'s ``values`` (a one-element list) on every rank."""
+    _call(directory, "save", f"broadcast_object_list({name})", dist.broadcast_object_list,
+          values, src=dist.get_global_rank(group, 0), group=group)
 
 
 def _describe(obj) -> dict:
@@ -157,7 +180,7 @@ def save_state(obj, directory, *, group=None) -> str:
     # One tag per save, the same on every rank: rank 0's, spread with the file records below.
     tag = [f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"]
     if n > 1:
-        dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0), group=group)
+        _broadcast_object(tag, group, directory, "tag")
     tag = tag[0]
     name = f"rank{rank:05d}-of-{n:05d}.{tag}.pt"
     try:
@@ -169,7 +192,7 @@ def save_state(obj, directory, *, group=None) -> str:
         record = dict(file=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     except Exception as e:  # every rank must still reach the gather below
         record = dict(error=f"rank {rank}: cannot write {os.path.join(directory, name)}: {e}")
-    records = _all_gather_object(record, group, n)
+    records = _all_gather_object(record, group, n, directory, "save", "file records")
     errors = [r["error"] for r in records if "error" in r]
 
     status = [None]
@@ -194,7 +217,7 @@ def save_state(obj, directory, *, group=None) -> str:
         except Exception as e:
             status = [f"checkpoint {directory!s} not saved: {e}"]
     if n > 1:  # nobody returns before the manifest is in place (or the save failed everywhere)
-        dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
+        _broadcast_object(status, group, directory, "status")
     if status[0] is not None:
         # Remove this rank's orphan file; the previous manifest does not name it.
         if "error" not in record:
@@ -380,7 +403,8 @@ def load_state(obj, directory, *, group=None) -> dict:
         problem = f"rank {rank}: {e}"
     except Exception as e:  # anything else must not leave the other ranks waiting
         problem = f"rank {rank}: {type(e).__name__}: {e}"
-    problems = [p for p in _all_gather_object(problem, group, n) if p is not None]
+    problems = [p for p in _all_gather_object(problem, group, n, directory, "load", "problems")
+                if p is not None]
     if problems:
         raise CheckpointError(f"checkpoint {directory} not loaded on any rank: "
                               + "; ".join(problems))

@@ -359,3 +359,42 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, where)
     opt = dk.DistributedLion(params, lr=1e-2)
     dk.load_state(opt, ckpt)
     assert _state_equal([opt.state[p]["exp_avg"] for p in params], torch.load(expected))
+
+
+def _save_with_dead_peer(rank, n, group, directory):
+    from dlion_kernels.exchange.collectives import DistributedStepError
+
+    params = _model()
+    opt = _opt(params, group)
+    _train(opt, params, rank, 2, 0)
+    dk.save_state(opt, directory, group=group)  # a complete checkpoint first
+    _train(opt, params, rank, 1, 2)
+    try:
+        dk.save_state(opt, directory, group=group)  # rank 1 dies inside this one
+    except DistributedStepError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("point", ["before:all_gather_object(file records)",
+                                   "before:broadcast_object_list(status)"])
+def test_dead_peer_in_save_is_named_and_keeps_the_previous_checkpoint(tmp_path, point):
+    """A rank killed inside save_state: the others raise DistributedStepError naming the save and
+    the collective within the group's timeout, and the previous checkpoint still loads."""
+    from faults import Fault, run_with_fault
+
+    directory = str(tmp_path / "ckpt")
+    fault = Fault(rank=1, step=directory, point=point, occurrence=2)  # in the second save
+    results = run_with_fault(3, _save_with_dead_peer, fault, directory, pg_timeout=5.0,
+                             deadline=120.0)
+    name = point.partition(":")[2]
+    for r in (0, 2):
+        assert results[r] is not None and f"checkpoint save of {directory}: collective {name}" \
+            in results[r], (r, results[r])
+    with open(os.path.join(directory, checkpoint.MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == 3
+    for record in manifest["files"]:  # the first save, or the second if rank 0 got that far
+        assert os.path.exists(os.path.join(directory, record["file"]))
+    params = _model()
+    dk.load_state(_opt(params), directory)  # loads (here as one process: the mean momentum)
