@@ -41,70 +41,86 @@ __device__ __forceinline__ int find_tensor(const int64_t* table, int n, int64_t 
   return lo;
 }
 
-template <typename T, bool K1, bool FLUSH>
-__global__ void __launch_bounds__(kThreads)
-    adamw_kernel(const int64_t* __restrict__ table, int n, AdamWArgs s) {
+// One tensor's elements in this CTA's chunk, with the table's rows at that tensor.
+template <typename T>
+struct Slice {
+  T* x;
+  const T* y;  // x is read from y (x itself, or the fused mixing's source)
+  const T* g;
+  float *a, *m, *v;  // v: 0 for AccumLion
+  int64_t begin, end;
+};
+
+template <typename T>
+__device__ __forceinline__ Slice<T> load_slice(const int64_t* table, int n) {
   const int64_t c = blockIdx.x;
   const int t = find_tensor(table, n, c);
-  T* x = reinterpret_cast<T*>(table[accum::kX * n + t]);
-  const T* y = reinterpret_cast<const T*>(table[accum::kY * n + t]);  // x is read from y
-  const T* g = reinterpret_cast<const T*>(table[accum::kG * n + t]);
-  float* a = reinterpret_cast<float*>(table[accum::kA * n + t]);
-  float* m = reinterpret_cast<float*>(table[accum::kM * n + t]);
-  float* v = reinterpret_cast<float*>(table[accum::kV * n + t]);
-  const int64_t numel = table[accum::kNumel * n + t];
-  const int64_t begin = (c - table[accum::kChunk * n + t]) * kChunk;
-  const int64_t end = min(numel, begin + kChunk);
-#pragma unroll 4
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const float gj = ld(g + i);
-    float xj = ld(y + i) * s.decay;
-    float aj = 0.0f;
-    if (!K1) {
-      aj = a[i] + gj * s.inv_k;
-      a[i] = FLUSH ? 0.0f : aj;
-    }
-    const float mj = m[i], vj = v[i];
+  const int64_t* col = table + t;  // row r of this tensor: col[r * n]
+  Slice<T> e;
+  e.x = reinterpret_cast<T*>(col[accum::kX * n]);
+  e.y = reinterpret_cast<const T*>(col[accum::kY * n]);
+  e.g = reinterpret_cast<const T*>(col[accum::kG * n]);
+  e.a = reinterpret_cast<float*>(col[accum::kA * n]);
+  e.m = reinterpret_cast<float*>(col[accum::kM * n]);
+  e.v = reinterpret_cast<float*>(col[accum::kV * n]);
+  e.begin = (c - col[accum::kChunk * n]) * kChunk;
+  e.end = min(col[accum::kNumel * n], e.begin + kChunk);
+  return e;
+}
+
+// The accumulator: a += g / K, reset on flush steps; untouched when K == 1.
+template <bool K1, bool FLUSH>
+__device__ __forceinline__ float accumulate(float* a, int64_t i, float gj, float inv_k) {
+  if (K1) return 0.0f;
+  const float aj = a[i] + gj * inv_k;
+  a[i] = FLUSH ? 0.0f : aj;
+  return aj;
+}
+
+struct AdamW {
+  using Args = AdamWArgs;
+  static constexpr const char* kName = "accum_adamw launch";
+  template <typename T, bool K1, bool FLUSH>
+  __device__ __forceinline__ static void element(const Slice<T>& e, int64_t i, const Args& s) {
+    const float gj = ld(e.g + i);
+    float xj = ld(e.y + i) * s.decay;
+    const float aj = accumulate<K1, FLUSH>(e.a, i, gj, s.inv_k);
+    const float mj = e.m[i], vj = e.v[i];
     const float mt = mj + s.omb1 * gj;
     const float vt = vj + s.omb2 * (gj * gj);
     xj = xj - s.step_size * (mt / (sqrtf(vt) / s.bc2_sqrt + s.eps));
-    st(x + i, xj);
+    st(e.x + i, xj);
     if (FLUSH) {
       const float src = K1 ? gj : aj;
-      m[i] = s.b1 * (mj + s.omb1 * src);
-      v[i] = s.b2 * (vj + s.omb2 * (src * src));
+      e.m[i] = s.b1 * (mj + s.omb1 * src);
+      e.v[i] = s.b2 * (vj + s.omb2 * (src * src));
     }
   }
-}
+};
 
-template <typename T, bool K1, bool FLUSH>
-__global__ void __launch_bounds__(kThreads)
-    lion_kernel(const int64_t* __restrict__ table, int n, LionArgs s) {
-  const int64_t c = blockIdx.x;
-  const int t = find_tensor(table, n, c);
-  T* x = reinterpret_cast<T*>(table[accum::kX * n + t]);
-  const T* y = reinterpret_cast<const T*>(table[accum::kY * n + t]);  // x is read from y
-  const T* g = reinterpret_cast<const T*>(table[accum::kG * n + t]);
-  float* a = reinterpret_cast<float*>(table[accum::kA * n + t]);
-  float* m = reinterpret_cast<float*>(table[accum::kM * n + t]);
-  const int64_t numel = table[accum::kNumel * n + t];
-  const int64_t begin = (c - table[accum::kChunk * n + t]) * kChunk;
-  const int64_t end = min(numel, begin + kChunk);
-#pragma unroll 4
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const float gj = ld(g + i);
-    const float mj = m[i];
+struct Lion {
+  using Args = LionArgs;
+  static constexpr const char* kName = "accum_lion launch";
+  template <typename T, bool K1, bool FLUSH>
+  __device__ __forceinline__ static void element(const Slice<T>& e, int64_t i, const Args& s) {
+    const float gj = ld(e.g + i);
+    const float mj = e.m[i];
     const float cj = s.b1 * mj + s.omb1 * gj;
     const float sign = (cj > 0.0f ? 1.0f : 0.0f) - (cj < 0.0f ? 1.0f : 0.0f);
-    const float xj = ld(y + i);
-    st(x + i, xj - s.lr * (sign + s.wd * xj));
-    float aj = 0.0f;
-    if (!K1) {
-      aj = a[i] + gj * s.inv_k;
-      a[i] = FLUSH ? 0.0f : aj;
-    }
-    if (FLUSH) m[i] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
+    const float xj = ld(e.y + i);
+    st(e.x + i, xj - s.lr * (sign + s.wd * xj));
+    const float aj = accumulate<K1, FLUSH>(e.a, i, gj, s.inv_k);
+    if (FLUSH) e.m[i] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
   }
+};
+
+template <typename Op, typename T, bool K1, bool FLUSH>
+__global__ void __launch_bounds__(kThreads)
+    accum_kernel(const int64_t* __restrict__ table, int n, typename Op::Args s) {
+  const Slice<T> e = load_slice<T>(table, n);
+#pragma unroll 4
+  for (int64_t i = e.begin + threadIdx.x; i < e.end; i += kThreads)
+    Op::template element<T, K1, FLUSH>(e, i, s);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -127,29 +143,16 @@ struct Device {
   int previous = -1;
 };
 
-template <typename T>
-void adamw_typed(const int64_t* table, int n, int64_t chunks, const AdamWArgs& s,
-                 cudaStream_t stream) {
+template <typename Op, typename T>
+void launch(const int64_t* table, int n, int64_t chunks, const typename Op::Args& s,
+            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(chunks));
   if (s.k1) {
-    if (s.flush) adamw_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(table, n, s);
-    else adamw_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(table, n, s);
+    if (s.flush) accum_kernel<Op, T, true, true><<<grid, kThreads, 0, stream>>>(table, n, s);
+    else accum_kernel<Op, T, true, false><<<grid, kThreads, 0, stream>>>(table, n, s);
   } else {
-    if (s.flush) adamw_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(table, n, s);
-    else adamw_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(table, n, s);
-  }
-}
-
-template <typename T>
-void lion_typed(const int64_t* table, int n, int64_t chunks, const LionArgs& s,
-                cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(chunks));
-  if (s.k1) {
-    if (s.flush) lion_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(table, n, s);
-    else lion_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(table, n, s);
-  } else {
-    if (s.flush) lion_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(table, n, s);
-    else lion_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(table, n, s);
+    if (s.flush) accum_kernel<Op, T, false, true><<<grid, kThreads, 0, stream>>>(table, n, s);
+    else accum_kernel<Op, T, false, false><<<grid, kThreads, 0, stream>>>(table, n, s);
   }
 }
 
@@ -158,42 +161,36 @@ void check_sizes(int64_t n_tensors, int64_t n_chunks) {
     throw std::invalid_argument("dlion_kernels: accum step: too many tensors or elements");
 }
 
+template <typename Op>
+void run(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
+         const typename Op::Args& args, int device, int64_t stream) {
+  check_sizes(n_tensors, n_chunks);
+  if (n_chunks == 0) return;
+  Device guard(device);
+  const auto* t = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table));
+  auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
+  const int n = static_cast<int>(n_tensors);
+  switch (dtype) {
+    case DType::kFloat32: launch<Op, float>(t, n, n_chunks, args, s); break;
+    case DType::kBFloat16: launch<Op, __nv_bfloat16>(t, n, n_chunks, args, s); break;
+    case DType::kFloat16: launch<Op, __half>(t, n, n_chunks, args, s); break;
+    default: throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
+  }
+  check(cudaGetLastError(), Op::kName);
+}
+
 }  // namespace
 
 int64_t cuda_accum_chunk_elems() { return kChunk; }
 
 void cuda_accum_adamw(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
                       const AdamWArgs& args, int device, int64_t stream) {
-  check_sizes(n_tensors, n_chunks);
-  if (n_chunks == 0) return;
-  Device guard(device);
-  const auto* t = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table));
-  auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
-  const int n = static_cast<int>(n_tensors);
-  switch (dtype) {
-    case DType::kFloat32: adamw_typed<float>(t, n, n_chunks, args, s); break;
-    case DType::kBFloat16: adamw_typed<__nv_bfloat16>(t, n, n_chunks, args, s); break;
-    case DType::kFloat16: adamw_typed<__half>(t, n, n_chunks, args, s); break;
-    default: throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
-  }
-  check(cudaGetLastError(), "accum_adamw launch");
+  run<AdamW>(table, n_tensors, n_chunks, dtype, args, device, stream);
 }
 
 void cuda_accum_lion(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
                      const LionArgs& args, int device, int64_t stream) {
-  check_sizes(n_tensors, n_chunks);
-  if (n_chunks == 0) return;
-  Device guard(device);
-  const auto* t = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table));
-  auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
-  const int n = static_cast<int>(n_tensors);
-  switch (dtype) {
-    case DType::kFloat32: lion_typed<float>(t, n, n_chunks, args, s); break;
-    case DType::kBFloat16: lion_typed<__nv_bfloat16>(t, n, n_chunks, args, s); break;
-    case DType::kFloat16: lion_typed<__half>(t, n, n_chunks, args, s); break;
-    default: throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
-  }
-  check(cudaGetLastError(), "accum_lion launch");
+  run<Lion>(table, n_tensors, n_chunks, dtype, args, device, stream);
 }
 
 }  // namespace dlion
