@@ -46,110 +46,95 @@ DLION_ALWAYS_INLINE void store(T* p, const float* in, int count) {
   for (int j = 0; j < count; ++j) p[j] = from_f32<T>(in[j]);
 }
 
-// ----------------------------------------------------------------------------- AccumAdamW
+// ----------------------------------------------------------------------------- the optimizers
 
-template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_ALWAYS_INLINE void adamw_block(T* x, const T* y, const T* g, float* a, float* m, float* v,
-                              int count, const AdamWArgs& s) {
+// The accumulator: a += g / K, reset on flush steps; untouched when K == 1.
+template <bool K1, bool FLUSH>
+DLION_ALWAYS_INLINE float accumulate(float* a, int j, float gj, float inv_k) {
+  if (K1) return 0.0f;
+  const float aj = a[j] + gj * inv_k;
+  a[j] = FLUSH ? 0.0f : aj;
+  return aj;
+}
+
+// Element j of a block: the new x from x (read from y) and g; a, m, v updated in place.
+struct AdamW {
+  using Args = AdamWArgs;
+  static constexpr bool kSecondMoment = true;
+  template <bool K1, bool FLUSH>
+  DLION_ALWAYS_INLINE static float element(float xj, float gj, float* a, float* m, float* v,
+                                           int j, const Args& s) {
+    xj = xj * s.decay;
+    const float aj = accumulate<K1, FLUSH>(a, j, gj, s.inv_k);
+    const float mj = m[j], vj = v[j];
+    const float mt = mj + s.omb1 * gj;
+    const float vt = vj + s.omb2 * (gj * gj);
+    xj = xj - s.step_size * (mt / (std::sqrt(vt) / s.bc2_sqrt + s.eps));
+    if (FLUSH) {
+      const float src = K1 ? gj : aj;
+      m[j] = s.b1 * (mj + s.omb1 * src);
+      v[j] = s.b2 * (vj + s.omb2 * (src * src));
+    }
+    return xj;
+  }
+};
+
+struct Lion {
+  using Args = LionArgs;
+  static constexpr bool kSecondMoment = false;  // the table's v row is null
+  template <bool K1, bool FLUSH>
+  DLION_ALWAYS_INLINE static float element(float xj, float gj, float* a, float* m, float*, int j,
+                                           const Args& s) {
+    const float mj = m[j];
+    const float c = s.b1 * mj + s.omb1 * gj;
+    const float sign = (c > 0.0f ? 1.0f : 0.0f) - (c < 0.0f ? 1.0f : 0.0f);
+    xj = xj - s.lr * (sign + s.wd * xj);
+    const float aj = accumulate<K1, FLUSH>(a, j, gj, s.inv_k);
+    if (FLUSH) m[j] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
+    return xj;
+  }
+};
+
+// ----------------------------------------------------------------------------- blocks
+
+template <typename Op, typename T, bool K1, bool FLUSH, bool HW, int N>
+DLION_ALWAYS_INLINE void block(T* x, const T* y, const T* g, float* a, float* m, float* v,
+                               int count, const typename Op::Args& s) {
   // N = kB for full blocks (fixed trip count: vectorizes), 0 for the tail (count elements).
   const int len = N ? N : count;
   alignas(32) float xv[kB];
   alignas(32) float gv[kB];
   load<HW>(y, xv, len);  // x is read from y (x itself, or the fused mixing's source)
   load<HW>(g, gv, len);
-  for (int j = 0; j < len; ++j) {
-    const float gj = gv[j];
-    float xj = xv[j] * s.decay;
-    float aj = 0.0f;
-    if (!K1) {
-      aj = a[j] + gj * s.inv_k;
-      a[j] = FLUSH ? 0.0f : aj;
-    }
-    const float mj = m[j], vj = v[j];
-    const float mt = mj + s.omb1 * gj;
-    const float vt = vj + s.omb2 * (gj * gj);
-    xj = xj - s.step_size * (mt / (std::sqrt(vt) / s.bc2_sqrt + s.eps));
-    xv[j] = xj;
-    if (FLUSH) {
-      const float src = K1 ? gj : aj;
-      m[j] = s.b1 * (mj + s.omb1 * src);
-      v[j] = s.b2 * (vj + s.omb2 * (src * src));
-    }
-  }
+  for (int j = 0; j < len; ++j)
+    xv[j] = Op::template element<K1, FLUSH>(xv[j], gv[j], a, m, v, j, s);
   store<HW>(x, xv, len);
 }
 
-template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_ALWAYS_INLINE void adamw_range(T* x, const T* y, const T* g, float* a, float* m, float* v,
-                              int64_t begin, int64_t end, const AdamWArgs& s) {
+template <typename Op, typename T, bool K1, bool FLUSH, bool HW>
+DLION_ALWAYS_INLINE void range(T* x, const T* y, const T* g, float* a, float* m, float* v,
+                               int64_t begin, int64_t end, const typename Op::Args& s) {
+  // a is null when K == 1, v for AccumLion: never offset those
+  auto at = [](float* p, int64_t i, bool used) { return used ? p + i : p; };
   int64_t i = begin;
   for (; i + kB <= end; i += kB)
-    adamw_block<T, K1, FLUSH, HW, kB>(x + i, y + i, g + i, K1 ? a : a + i, m + i, v + i, kB, s);
+    block<Op, T, K1, FLUSH, HW, kB>(x + i, y + i, g + i, at(a, i, !K1), m + i,
+                                    at(v, i, Op::kSecondMoment), kB, s);
   if (i < end)
-    adamw_block<T, K1, FLUSH, HW, 0>(x + i, y + i, g + i, K1 ? a : a + i, m + i, v + i,
-                                     static_cast<int>(end - i), s);
+    block<Op, T, K1, FLUSH, HW, 0>(x + i, y + i, g + i, at(a, i, !K1), m + i,
+                                   at(v, i, Op::kSecondMoment), static_cast<int>(end - i), s);
 }
 
-template <typename T, bool K1, bool FLUSH>
-void adamw_base(T* x, const T* y, const T* g, float* a, float* m, float* v, int64_t b,
-                int64_t e, const AdamWArgs& s) {
-  adamw_range<T, K1, FLUSH, false>(x, y, g, a, m, v, b, e, s);
+template <typename Op, typename T, bool K1, bool FLUSH>
+void range_base(T* x, const T* y, const T* g, float* a, float* m, float* v, int64_t b,
+                int64_t e, const typename Op::Args& s) {
+  range<Op, T, K1, FLUSH, false>(x, y, g, a, m, v, b, e, s);
 }
 #ifdef DLION_HAVE_AVX2_CLONE
-template <typename T, bool K1, bool FLUSH>
-DLION_AVX2 void adamw_avx2(T* x, const T* y, const T* g, float* a, float* m, float* v,
-                                  int64_t b, int64_t e, const AdamWArgs& s) {
-  adamw_range<T, K1, FLUSH, true>(x, y, g, a, m, v, b, e, s);
-}
-#endif
-
-// ----------------------------------------------------------------------------- AccumLion
-
-template <typename T, bool K1, bool FLUSH, bool HW, int N>
-DLION_ALWAYS_INLINE void lion_block(T* x, const T* y, const T* g, float* a, float* m, int count,
-                             const LionArgs& s) {
-  const int len = N ? N : count;
-  alignas(32) float xv[kB];
-  alignas(32) float gv[kB];
-  load<HW>(y, xv, len);  // x is read from y (x itself, or the fused mixing's source)
-  load<HW>(g, gv, len);
-  for (int j = 0; j < len; ++j) {
-    const float gj = gv[j];
-    const float mj = m[j];
-    const float c = s.b1 * mj + s.omb1 * gj;
-    const float sign = (c > 0.0f ? 1.0f : 0.0f) - (c < 0.0f ? 1.0f : 0.0f);
-    xv[j] = xv[j] - s.lr * (sign + s.wd * xv[j]);
-    float aj = 0.0f;
-    if (!K1) {
-      aj = a[j] + gj * s.inv_k;
-      a[j] = FLUSH ? 0.0f : aj;
-    }
-    if (FLUSH) m[j] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
-  }
-  store<HW>(x, xv, len);
-}
-
-template <typename T, bool K1, bool FLUSH, bool HW>
-DLION_ALWAYS_INLINE void lion_range(T* x, const T* y, const T* g, float* a, float* m, int64_t begin,
-                             int64_t end, const LionArgs& s) {
-  int64_t i = begin;
-  for (; i + kB <= end; i += kB)
-    lion_block<T, K1, FLUSH, HW, kB>(x + i, y + i, g + i, K1 ? a : a + i, m + i, kB, s);
-  if (i < end)
-    lion_block<T, K1, FLUSH, HW, 0>(x + i, y + i, g + i, K1 ? a : a + i, m + i,
-                                    static_cast<int>(end - i), s);
-}
-
-template <typename T, bool K1, bool FLUSH>
-void lion_base(T* x, const T* y, const T* g, float* a, float* m, float*, int64_t b, int64_t e,
-               const LionArgs& s) {
-  lion_range<T, K1, FLUSH, false>(x, y, g, a, m, b, e, s);
-}
-#ifdef DLION_HAVE_AVX2_CLONE
-template <typename T, bool K1, bool FLUSH>
-DLION_AVX2 void lion_avx2(T* x, const T* y, const T* g, float* a, float* m, float*,
-                                 int64_t b, int64_t e, const LionArgs& s) {
-  lion_range<T, K1, FLUSH, true>(x, y, g, a, m, b, e, s);
+template <typename Op, typename T, bool K1, bool FLUSH>
+DLION_AVX2 void range_avx2(T* x, const T* y, const T* g, float* a, float* m, float* v, int64_t b,
+                           int64_t e, const typename Op::Args& s) {
+  range<Op, T, K1, FLUSH, true>(x, y, g, a, m, v, b, e, s);
 }
 #endif
 
@@ -189,59 +174,48 @@ void run(const int64_t* table, int64_t n_tensors, RangeFn<T, Args> fn, const Arg
   });
 }
 
+template <typename Op, typename T, bool K1, bool FLUSH>
+RangeFn<T, typename Op::Args> pick() {
 #ifdef DLION_HAVE_AVX2_CLONE
-#define DLION_ACCUM_PICK(fn, ...) (cpu_has_avx2() ? &fn##_avx2<__VA_ARGS__> : &fn##_base<__VA_ARGS__>)
-#else
-#define DLION_ACCUM_PICK(fn, ...) (&fn##_base<__VA_ARGS__>)
+  if (cpu_has_avx2()) return &range_avx2<Op, T, K1, FLUSH>;
 #endif
-
-template <typename T>
-void adamw_typed(const int64_t* table, int64_t n, const AdamWArgs& s, int threads) {
-  RangeFn<T, AdamWArgs> fn;
-  if (s.k1)
-    fn = s.flush ? DLION_ACCUM_PICK(adamw, T, true, true) : DLION_ACCUM_PICK(adamw, T, true, false);
-  else
-    fn = s.flush ? DLION_ACCUM_PICK(adamw, T, false, true)
-                 : DLION_ACCUM_PICK(adamw, T, false, false);
-  run<T, AdamWArgs>(table, n, fn, s, threads);
+  return &range_base<Op, T, K1, FLUSH>;
 }
 
-template <typename T>
-void lion_typed(const int64_t* table, int64_t n, const LionArgs& s, int threads) {
-  RangeFn<T, LionArgs> fn;
+template <typename Op, typename T>
+void typed(const int64_t* table, int64_t n, const typename Op::Args& s, int threads) {
+  RangeFn<T, typename Op::Args> fn;
   if (s.k1)
-    fn = s.flush ? DLION_ACCUM_PICK(lion, T, true, true) : DLION_ACCUM_PICK(lion, T, true, false);
+    fn = s.flush ? pick<Op, T, true, true>() : pick<Op, T, true, false>();
   else
-    fn = s.flush ? DLION_ACCUM_PICK(lion, T, false, true) : DLION_ACCUM_PICK(lion, T, false, false);
-  run<T, LionArgs>(table, n, fn, s, threads);
+    fn = s.flush ? pick<Op, T, false, true>() : pick<Op, T, false, false>();
+  run<T, typename Op::Args>(table, n, fn, s, threads);
+}
+
+template <typename Op>
+void dispatch(const int64_t* table, int64_t n, DType dtype, const typename Op::Args& s,
+              int threads) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return typed<Op, float>(table, n, s, threads);
+    case DType::kBFloat16:
+      return typed<Op, bf16>(table, n, s, threads);
+    case DType::kFloat16:
+      return typed<Op, fp16>(table, n, s, threads);
+  }
+  throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
 }
 
 }  // namespace
 
 void cpu_accum_adamw(const int64_t* table, int64_t n_tensors, DType dtype, const AdamWArgs& args,
                      int threads) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return adamw_typed<float>(table, n_tensors, args, threads);
-    case DType::kBFloat16:
-      return adamw_typed<bf16>(table, n_tensors, args, threads);
-    case DType::kFloat16:
-      return adamw_typed<fp16>(table, n_tensors, args, threads);
-  }
-  throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
+  dispatch<AdamW>(table, n_tensors, dtype, args, threads);
 }
 
 void cpu_accum_lion(const int64_t* table, int64_t n_tensors, DType dtype, const LionArgs& args,
                     int threads) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return lion_typed<float>(table, n_tensors, args, threads);
-    case DType::kBFloat16:
-      return lion_typed<bf16>(table, n_tensors, args, threads);
-    case DType::kFloat16:
-      return lion_typed<fp16>(table, n_tensors, args, threads);
-  }
-  throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
+  dispatch<Lion>(table, n_tensors, dtype, args, threads);
 }
 
 }  // namespace dlion
