@@ -415,11 +415,9 @@ def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
         for part in by_dtype(rows):
             params, offs = zip(*part)
             work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            # apply also updates a momentum (kernel stages v2): here a throwaway one, beta2 = 1;
-            # the rank's real momentum is only its shard, updated above
-            scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in work]
-            stages.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
-                         s.weight_decay, 1.0, n, mode, ternary, skip=None)
+            # exp_avgs=None: x only; the rank's momentum is its shard, updated above
+            stages.apply(work, None, None, aggregate, list(offs), s.lr, s.weight_decay, 1.0, n,
+                         mode, ternary, skip=None)
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)
