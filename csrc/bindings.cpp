@@ -106,7 +106,8 @@ PYBIND11_MODULE(_C, m) {
       "apply over a host table (a = parameter, b = fp32 momentum, c = gradient or 0):\n"
       "x = x - lr * (D + wd * x) in fp32 with D decoded from the packed aggregate, stored back\n"
       "in p_dtype (0 fp32, 1 bf16, 2 fp16; RNE), and m = b2*m + omb2*g in fp32. g_dtype is\n"
-      "p_dtype or 0 (fp32); a null gradient counts as zeros.");
+      "p_dtype or 0 (fp32); a null gradient counts as zeros; a null momentum: x only (no m\n"
+      "read or written, g not read).");
 
   m.def("cpu_isa", &dlion::cpu_isa,
         "The variant of the CPU kernels in use: 'avx2+f16c' or 'baseline' (DLION_CPU_NO_AVX2=1).");

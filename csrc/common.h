@@ -2,7 +2,7 @@
 //
 // The tensor table (built by dlion_kernels/native.py, an int64 tensor, structure of arrays):
 //   row 0  a      pointer to the first array (local_step: gradient, 0 = None; apply: param)
-//   row 1  b      pointer to the second array (local_step, apply: fp32 momentum)
+//   row 1  b      pointer to the second array (local_step, apply: fp32 momentum; apply: 0 = none)
 //   row 2  numel  elements of the tensor (> 0)
 //   row 3  block  block offset of the tensor in the packed vectors (layout.py)
 //   row 4  chunk  first CUDA chunk of the tensor (prefix sum of ceil(numel / chunk elements))

@@ -418,6 +418,7 @@ struct ApplyArgs {
 // loops, and D = float(a*q - n) / float(n) by a vectorized IEEE division (exactly reference.py's
 // `num.to(f32) / f32(n)`). PL > 0 is the number of planes known at compile time (fully unrolled,
 // q stays in registers); PL == 0 reads it from `a.planes`. g == nullptr: a None gradient (zeros).
+// m == nullptr: no momentum (x only; g is not read), e.g. hierarchy's params outside the shard.
 template <typename P, typename G, int KIND, int PL, bool HW>
 DLION_ALWAYS_INLINE void apply_body(P* x, const G* g, float* m, int64_t numel,
                                     const uint32_t* words, int64_t b_begin, int64_t b_end,
@@ -449,12 +450,12 @@ DLION_ALWAYS_INLINE void apply_body(P* x, const G* g, float* m, int64_t numel,
     }
     const int64_t i0 = b * kBlock;
     P* xb = x + i0;
-    float* mb = m + i0;
-    const G* gb = g != nullptr ? g + i0 : nullptr;
+    float* mb = m != nullptr ? m + i0 : nullptr;
+    const G* gb = g != nullptr && m != nullptr ? g + i0 : nullptr;
     const int count = static_cast<int>(std::min<int64_t>(kBlock, numel - i0));
     if (count == kBlock) {
       prefetch_ahead<1>(xb);
-      prefetch_ahead<1>(mb);
+      if (mb != nullptr) prefetch_ahead<1>(mb);
       if constexpr (kBlockConvert<HW, P>) {
         load_block<HW>(xb, xv);
         for (int j = 0; j < kBlock; ++j) xv[j] = xv[j] - lr * (d[j] + wd * xv[j]);
@@ -465,7 +466,9 @@ DLION_ALWAYS_INLINE void apply_body(P* x, const G* g, float* m, int64_t numel,
           xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
         }
       }
-      if (gb != nullptr) {
+      if (mb == nullptr) {
+        // no momentum
+      } else if (gb != nullptr) {
         prefetch_ahead<0>(gb);
         if constexpr (kBlockConvert<HW, G>) {
           load_block<HW>(gb, xv);  // xv is free again: the gradient as fp32
@@ -480,6 +483,7 @@ DLION_ALWAYS_INLINE void apply_body(P* x, const G* g, float* m, int64_t numel,
       for (int j = 0; j < count; ++j) {
         const float xf = to_f32(xb[j]);
         xb[j] = from_f32<P>(xf - lr * (d[j] + wd * xf));
+        if (mb == nullptr) continue;
         const float gj = gb != nullptr ? to_f32(gb[j]) : 0.0f;
         mb[j] = b2 * mb[j] + omb2 * gj;
       }

@@ -303,6 +303,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // P: float | __nv_bfloat16 | __half (parameter); G: P or float (gradient; null = zeros); KIND:
 // Decode. x = x - lr * (D + wd * x) and m = b2*m + omb2*g, unless *skip != 0 (then nothing).
+// A null momentum (table row b = 0): x only, neither m nor g is touched.
 template <typename P, typename G, int KIND>
 __global__ void __launch_bounds__(kThreads)
     apply_kernel(const int64_t* __restrict__ table, int n_tensors,
@@ -373,6 +374,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // The momentum, after x so that x's registers are free: kUnroll * (16 + 4 * sizeof(G)) bytes
   // in flight per thread again.
+  if (m == nullptr) return;  // the same for the whole CTA: one tensor per chunk
   float mv[kUnroll][kVec], gv[kUnroll][kVec];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {

@@ -20,9 +20,10 @@ One step on rank r (local rank l, node k):
 1. every gradient is copied into a flat fp32 workspace of L S blocks (zeros elsewhere);
    ``reduce_scatter_tensor`` (sum) inside the node leaves rank r the node's fp32 sum for its
    shard, divided by L: the node-mean gradient, exact when the sum is;
-2. non-finite check on the shard, agreed across nodes (inter-node all_gather of one word) and
-   then inside the node (intra-node all_gather of [flag, step]): every rank takes the same
-   decision, and ranks at different steps raise, before anything is modified;
+2. non-finite check on the shard (OR, under an fp16 GradScaler, the rank's own overflow flag),
+   agreed across nodes (inter-node all_gather of one word) and then inside the node (intra-node
+   all_gather of [flag, step]): every rank takes the same decision, and ranks at different
+   steps raise, before anything is modified;
 3. local step on the shard with the rank's momentum shard (S * 32 fp32 elements, ~1/L of the
    model): packed votes of the shard;
 4. the two-phase vote exchange of ``pipeline.py`` (one bucket: the shard; all_to_all with the
@@ -290,9 +291,14 @@ class ShardedMomentum:
 
 
 def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
-                          step, nonfinite, timeout=None) -> HierarchicalStepStats:
+                          step, nonfinite, timeout=None, found_inf=None) -> HierarchicalStepStats:
     """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
     momentum comes from ``momentum``, a FullMomentum or ShardedMomentum).
+
+    ``found_inf``: a GradScaler's local overflow flag (a one-element tensor, nonzero = overflow;
+    ``optim/amp.py``) or None. It joins the shard's non-finite flag before the flags travel, so
+    an overflow on any rank skips the step on every rank; under a scaler a non-finite step is
+    skipped, never raised (the scaler backs off instead), whatever ``nonfinite`` says.
 
     Every collective goes through ``collectives.collective`` / ``wait``: a dead or stalled peer
     raises ``DistributedStepError`` naming the step and the collective, bounded by ``timeout``
@@ -341,6 +347,8 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     # gradient reaches the sum of exactly one shard (NaN and inf propagate through the fp32 sum;
     # an overflow counts too). Across nodes first, then inside the node with the step number.
     flag = stages.nonfinite([grad])
+    if found_inf is not None:  # the scaler's check of this rank's own (unscaled) gradients
+        flag = flag | (found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
     if N > 1:
         flags = torch.empty(N, dtype=torch.int32, device=device)
         collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
@@ -352,7 +360,7 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         collective(HEADERS, step, all_gather, headers, mine, topo.intra, timeout=timeout)
         intra += (L - 1) * HEADER_WORDS * _WORD_BYTES
     if decide(headers):  # raises StepMismatchError alike on every rank
-        if nonfinite == "raise":
+        if nonfinite == "raise" and found_inf is None:
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank (or a node's gradient sum "
                 "overflowed); nothing was updated on any rank (pass nonfinite='skip' to skip "
@@ -407,11 +415,9 @@ def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
         for part in by_dtype(rows):
             params, offs = zip(*part)
             work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            # apply also updates a momentum (kernel stages v2): here a throwaway one, beta2 = 1;
-            # the rank's real momentum is only its shard, updated above
-            scratch = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in work]
-            stages.apply(work, [None] * len(work), scratch, aggregate, list(offs), s.lr,
-                         s.weight_decay, 1.0, n, mode, ternary, skip=None)
+            # exp_avgs=None: x only; the rank's momentum is its shard, updated above
+            stages.apply(work, None, None, aggregate, list(offs), s.lr, s.weight_decay, 1.0, n,
+                         mode, ternary, skip=None)
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)

@@ -6,7 +6,7 @@ results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounde
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``
 - ``tally(stacked, out, n, mode, ternary, step)``
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
-  skip=None)``
+  skip=None)`` (``exp_avgs`` None, or None entries: x only for those tensors, no momentum)
 
 Each stage is one kernel call for the whole list of tensors. The tensors reach the kernels through
 a *tensor table* (``csrc/common.h``): an int64 tensor of 6 rows (pointer a, pointer b, numel,
@@ -257,7 +257,7 @@ class _NativeBackend:
         of the parameters and the gradients."""
         x_ptrs = [x.data_ptr() for x in params]
         g_ptrs = [0 if g is None else g.data_ptr() for g in grads]
-        m_ptrs = [m.data_ptr() for m in exp_avgs]
+        m_ptrs = [0 if m is None else m.data_ptr() for m in exp_avgs]
         numels = [x.numel() for x in params]
         p_dtype = params[0].dtype
         g_dtype = next((g.dtype for g in grads if g is not None), p_dtype)
@@ -378,9 +378,12 @@ class _NativeBackend:
               mode, ternary, skip=None):
         """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype;
         m = b2*m + (1-b2)*g. Nothing when ``skip`` (int32 [1] on the params' device) is non-zero:
-        CUDA reads it in the kernel (no host sync), the CPU here."""
+        CUDA reads it in the kernel (no host sync), the CPU here. ``exp_avgs=None`` (or a None
+        entry): x only, the momentum and the gradient are not touched (null table entries)."""
         if len(params) == 0:
             return
+        if exp_avgs is None:
+            grads = exp_avgs = [None] * len(params)
         device = self._device_args(params[0])
         table, p_code, g_code = self._apply_table(params, grads, exp_avgs, offsets)
         if table.count == 0:

@@ -5,7 +5,9 @@ Every backend implements the same three functions with the same arguments (see `
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``: votes of c; m is read only
 - ``tally(stacked, out, n, mode, ternary, step)``
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
-  skip=None)``: x and m, unless ``skip`` (int32 [1] on the device) holds a non-zero flag
+  skip=None)``: x and m, unless ``skip`` (int32 [1] on the device) holds a non-zero flag;
+  ``exp_avgs=None``: x only, no momentum read or written, and ``grads`` (then None or any list)
+  not read (hierarchical D-Lion updates its momentum shard apart)
 - ``nonfinite(grads)``: the check that runs before a step modifies anything
 
 The momentum is written by ``apply``, not by ``local_step`` (kernel stages v2): a step that is
@@ -102,10 +104,13 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
           skip=None):
     """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype, and
     m = b2*m + (1-b2)*g (fp32; ``None`` g = 0; g may have another dtype than x). Nothing at all
-    when ``skip`` (int32 [1]) is given and non-zero."""
+    when ``skip`` (int32 [1]) is given and non-zero. ``exp_avgs=None``: x only, no momentum;
+    ``grads`` (None or a list) is not read."""
     if skip is not None and int(skip[0]) != 0:
         return
     planes = aggregate_planes(mode, "ternary" if ternary else "binary", n)
+    if exp_avgs is None:
+        grads = exp_avgs = [None] * len(params)
     for x, g, m, off in zip(params, grads, exp_avgs, offsets):
         nb = num_blocks(x.numel())
         words = aggregate[off * planes : (off + nb) * planes]
@@ -114,6 +119,8 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
         xf = x.reshape(-1).to(_F32)
         xf = xf - lr32 * (d + wd32 * xf)
         x.copy_(xf.view_as(x).to(x.dtype))
+        if m is None:
+            continue
         b2, omb2 = _f32(beta2, m.device), _f32(1.0 - beta2, m.device)
         mf = m.reshape(-1)
         gf = torch.zeros_like(mf) if g is None else g.reshape(-1).to(_F32)

@@ -6,7 +6,8 @@ fp32 arithmetic in the reference's order with no fused multiply-add):
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)`` (m is read only)
 - ``tally(stacked, out, n, mode, ternary, step)``
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
-  skip=None)`` (writes x and m; ``skip`` is read by the kernel, no host sync)
+  skip=None)`` (writes x and m; ``skip`` is read by the kernel, no host sync; ``exp_avgs`` None
+  or None entries: x only for those tensors, no momentum and no gradient read)
 - ``nonfinite(grads)``: the reference's, which is one fused multi-tensor torch kernel on the GPU
 
 Multi-tensor apply. ``local_step`` and ``apply`` cover a whole list of tensors with ONE launch:
@@ -391,7 +392,8 @@ def _apply_kernel(
         average:       q = sum_p bit_p << p,  D = div_rn(float(q - n), n) (ternary)
                                                   div_rn(float(2q - n), n) (binary)
         x <- x - lr * (D + wd * x)            (fp32, each operation rounded)
-        m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient)
+        m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient; only where
+                                               m_present, else neither m nor g is touched)
 
     Nothing at all when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
     """
@@ -406,6 +408,7 @@ def _apply_kernel(
         g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
         has_g = tl.load(row + 3) != 0
         m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
+        has_m = tl.load(row + 5) != 0
         numel = tl.load(row + 6)
         block0 = tl.load(row + 7)
         start = (pid - tl.load(row + 8)) * BLOCK
@@ -439,14 +442,16 @@ def _apply_kernel(
 
         if start + BLOCK <= numel:
             _update(x_ptr, offs, numel, d, lr, wd, MASKED=False, SOFT_BF16=SOFT_BF16_X)
-            m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=False,
-                             SOFT_BF16=SOFT_BF16_G)
-            tl.store(m_ptr + offs, m_new)
+            if has_m:
+                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=False,
+                                 SOFT_BF16=SOFT_BF16_G)
+                tl.store(m_ptr + offs, m_new)
         else:
             _update(x_ptr, offs, numel, d, lr, wd, MASKED=True, SOFT_BF16=SOFT_BF16_X)
-            m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=True,
-                             SOFT_BF16=SOFT_BF16_G)
-            tl.store(m_ptr + offs, m_new, mask=offs < numel)
+            if has_m:
+                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=True,
+                                 SOFT_BF16=SOFT_BF16_G)
+                tl.store(m_ptr + offs, m_new, mask=offs < numel)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -658,9 +663,12 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
           skip=None):
     """x = x - lr * (D + weight_decay * x) in fp32, stored back in the parameter's dtype;
     m = b2*m + (1-b2)*g (fp32). Nothing when ``skip`` (int32 [1] on the device) is non-zero,
-    read by the kernel."""
+    read by the kernel. ``exp_avgs=None`` (or a None entry): x only, no momentum (the gradient
+    is then not read)."""
     if mode not in ("vote", "average"):
         raise ValueError(f"mode must be 'vote' or 'average', got {mode!r}")
+    if exp_avgs is None:
+        grads = exp_avgs = [None] * len(params)
     if not len(params) == len(grads) == len(exp_avgs):
         raise ValueError(
             f"params ({len(params)}), grads ({len(grads)}) and exp_avgs ({len(exp_avgs)}) differ "
@@ -695,7 +703,9 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     for meta, prog, programs, aligned, (x_i, g_i, m_i) in _tables(
         "apply", device, (params, grads, exp_avgs), numels, offsets, block
     ):
-        x_base, m_base = params[x_i], exp_avgs[m_i]
+        x_base = params[x_i]
+        # no momentum at all: any fp32 pointer will do (never read: m_present is 0 everywhere)
+        m_base = exp_avgs[m_i] if m_i >= 0 else aggregate.view(torch.float32)
         g_base = grads[g_i] if g_i >= 0 else m_base  # all None: any typed pointer will do
         meta, prog = _in_use(meta, prog)
         with _on(device):

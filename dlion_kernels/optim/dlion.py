@@ -94,7 +94,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     ``hierarchy`` ("node" or an int L; None = flat): hierarchical D-Lion over nodes of L ranks
     (``exchange/hierarchy.py``): exact gradient mean inside a node, the nodes vote. Each rank then
     keeps momentum only for its shard, ~1/L of the elements: ``state[p]["exp_avg"]`` is 1-D and
-    covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L. Not
+    covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L. fp16
+    ``GradScaler`` works as in the flat case (one overflow decision for all n ranks). Not
     combined with ``overlap=True`` yet.
 
     Failures: a peer rank that dies or stalls makes ``step()`` (with ``overlap=True`` or the DDP
@@ -333,14 +334,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.ranks_per_node > 1:
-            if grad_scaler is not None and grad_scaler.is_enabled():
-                raise ValueError("fp16 GradScaler is not combined with hierarchy yet: use bf16 "
-                                 "autocast (no scaler) or hierarchy=None")
-            self.last_stats = self._hierarchical_step()
-            return loss
         device = next((p.device for g in self.param_groups for p in g["params"]),
                       torch.device("cpu"))
+        if self.ranks_per_node > 1:
+            # fp16 GradScaler: unscaled here, the local overflow flag joins the step's flags
+            found_inf = amp.before_exchange(self, grad_scaler, device)
+            self.last_stats = self._hierarchical_step(found_inf)
+            amp.after_exchange(self, grad_scaler, self.last_stats.skipped)
+            return loss
         if self._engine is not None or self._ddp_hooked:
             self._refuse_scaler(grad_scaler)
         self._found_inf = amp.before_exchange(self, grad_scaler, device)
@@ -375,8 +376,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._pending = (ex.verdict, stats, params, ex.step)
         return loss
 
-    def _hierarchical_step(self) -> StepStats:
-        """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``."""
+    def _hierarchical_step(self, found_inf=None) -> StepStats:
+        """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``;
+        ``found_inf``: the GradScaler's local overflow flag (``amp.before_exchange``) or None."""
         segments, states = [], []
         for g in self.param_groups:
             beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
@@ -395,7 +397,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         stats = hier.run_hierarchical_step(
             segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
             votes=self.votes, group=self.group, backend=self.backend, step=step,
-            nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None))
+            nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None),
+            found_inf=found_inf)
         if not stats.skipped:
             for state in states:
                 state["step"] = step + 1

@@ -146,6 +146,47 @@ def test_apply(backend, votes, mode, dtype, case, n):
 
 
 @pytest.mark.parametrize("backend", ["torch", *fast_backends()])
+@pytest.mark.parametrize("votes", ["binary", "ternary"])
+@pytest.mark.parametrize("mode", ["vote", "average"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["1", "31", "33", "4097", "mixed"])
+def test_apply_without_momentum(backend, votes, mode, dtype, case):
+    """exp_avgs=None: x exactly as the reference's apply with momentum, and neither a momentum
+    nor the gradients are touched; exp_avgs with None entries: x everywhere, m only where given
+    (the others' gradients not read). n = 3: average mode has 2-3 planes."""
+    sizes = SIZES[case]
+    n = 3
+    device = backend_device(backend) if backend != "torch" else torch.device("cpu")
+    gen = torch.Generator().manual_seed(hash((case, mode, votes, "no-m")) % 2**31)
+    offsets, _ = block_offsets(sizes)
+    aggregate = _random_aggregate(sizes, mode, votes, n, gen).to(device)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+    moms = [torch.randn(s, generator=gen) for s in sizes]
+    ternary = votes == "ternary"
+    expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+    reference.apply(expected, grads, ref_m, aggregate.cpu(), offsets, 3e-3, 0.1, 0.99, n, mode,
+                    ternary)
+    kernels = backends.get(backend)
+    actual = [p.clone().to(device) for p in params]
+    kernels.apply(actual, None, None, aggregate, offsets, 3e-3, 0.1, 0.99, n, mode, ternary)
+    for a, e in zip(actual, expected):
+        assert_close_storage(a.cpu(), e)
+    # Some tensors with momentum, some without (their NaN gradients must not reach anything).
+    keep = [i % 2 == 0 for i in range(len(sizes))]
+    actual = [p.clone().to(device) for p in params]
+    dev_m = [m.clone().to(device) if k else None for m, k in zip(moms, keep)]
+    dev_g = [g.to(device) if k else torch.full_like(g, float("nan")).to(device)
+             for g, k in zip(grads, keep)]
+    kernels.apply(actual, dev_g, dev_m, aggregate, offsets, 3e-3, 0.1, 0.99, n, mode, ternary)
+    for a, e in zip(actual, expected):
+        assert_close_storage(a.cpu(), e)
+    for m, e, k in zip(dev_m, ref_m, keep):
+        if k:
+            assert torch.equal(m.cpu(), e), "momentum differs from the reference"
+
+
+@pytest.mark.parametrize("backend", ["torch", *fast_backends()])
 def test_apply_skip_flag(backend):
     """A non-zero skip flag (int32 [1] on the device) leaves x and m untouched; zero applies."""
     device = backend_device(backend) if backend != "torch" else torch.device("cpu")

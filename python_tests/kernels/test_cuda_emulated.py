@@ -437,6 +437,45 @@ def test_apply(emu, x_dtype, g_dtype, mode, ternary):
         assert all(torch.equal(_bits(t), b) for t, b in zip(xs + ms, before)), "skip=1 wrote"
 
 
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode, ternary", [("vote", False), ("vote", True), ("average", False),
+                                           ("average", True)])
+def test_apply_without_momentum(emu, x_dtype, mode, ternary):
+    """exp_avgs=None (null table entries b and c): x equals the reference's bit for bit and no
+    momentum is read or written (the arena checks every byte outside the tensors); with None
+    entries, the given momenta equal the reference's. n = 3."""
+    gen = torch.Generator().manual_seed(13)
+    kernels = EmuBackend(emu)
+    votes, n = ("ternary" if ternary else "binary"), 3
+    arena = Arena(gen)
+    sizes, xs, gs, ms = _stage_lists(arena, gen, x_dtype, x_dtype)
+    offsets, total = block_offsets(sizes)
+    planes = aggregate_planes(mode, votes, n)
+    agg = arena.put(_random_words(total * planes, torch.int32, gen))
+    ex, em = [x.clone() for x in xs], [m.clone() for m in ms]
+    reference.apply(ex, gs, em, agg, offsets, 1e-2, 0.1, 0.99, n, mode, ternary)
+    del em
+    m_before = [_bits(m).clone() for m in ms]
+    kernels.apply(xs, None, None, agg, offsets, 1e-2, 0.1, 0.99, n, mode, ternary)
+    for i, (a, e) in enumerate(zip(xs, ex)):
+        assert_same(a, e, f"params[{i}] ({sizes[i]})")
+    assert all(torch.equal(_bits(m), b) for m, b in zip(ms, m_before)), "a momentum was written"
+    arena.check()
+    ex2, em2 = [x.clone() for x in xs], [m.clone() for m in ms]
+    keep = [i % 2 == 1 for i in range(len(sizes))]
+    part = [m if k else None for m, k in zip(ms, keep)]
+    reference.apply(ex2, gs, em2, agg, offsets, 1e-2, 0.1, 0.99, n, mode, ternary)
+    kernels.apply(xs, gs, part, agg, offsets, 1e-2, 0.1, 0.99, n, mode, ternary)
+    for i, (a, e) in enumerate(zip(xs, ex2)):
+        assert_same(a, e, f"params[{i}] ({sizes[i]}), second apply")
+    for i, k in enumerate(keep):
+        if k:
+            assert_same(ms[i], em2[i], f"exp_avgs[{i}]")
+        else:  # never given to a kernel: still as it was
+            assert torch.equal(_bits(ms[i]), m_before[i]), f"exp_avgs[{i}] was written"
+    arena.check()
+
+
 @pytest.mark.parametrize("mode, ternary, n", [("vote", False, 4), ("average", True, 3),
                                               ("vote", True, 17), ("average", False, 17)])
 def test_whole_steps(emu, mode, ternary, n):

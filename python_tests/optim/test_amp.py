@@ -23,10 +23,11 @@ def _loss(model, step, rank, autocast=False):
     return torch.nn.functional.cross_entropy(logits.float(), y)
 
 
-def _scaled_run(rank, inf_rank, autocast=False, clip=False):
-    """GradScaler training; rank ``inf_rank`` gets an inf gradient at INF_STEP."""
+def _scaled_run(rank, inf_rank, autocast=False, clip=False, hierarchy=None, clean=False):
+    """GradScaler training; rank ``inf_rank`` gets an inf gradient at INF_STEP. ``clean``: after
+    the user's ``unscale_`` the inf is zeroed, so only the scaler's own flag knows of it."""
     model = _model()
-    opt = dk.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = dk.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1, hierarchy=hierarchy)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     scales, skipped = [], []
     for step in range(STEPS):
@@ -36,6 +37,9 @@ def _scaled_run(rank, inf_rank, autocast=False, clip=False):
             model[0].weight.grad[3, 4] = float("inf")
         if clip:  # the user unscales first (to clip); the optimizer must not unscale again
             scaler.unscale_(opt)
+            if clean:
+                for p in model.parameters():
+                    p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         scaler.step(opt)
         scaler.update()
@@ -44,16 +48,16 @@ def _scaled_run(rank, inf_rank, autocast=False, clip=False):
     return [p.detach().clone() for p in model.parameters()], scales, skipped, opt.state_dict()
 
 
-def _unscaled_run(rank):
+def _unscaled_run(rank, hierarchy=None):
     """The same batches without a scaler, INF_STEP left out on every rank."""
     model = _model()
-    opt = dk.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = dk.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1, hierarchy=hierarchy)
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, step, rank).backward()
         if step != INF_STEP:
             opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
 def _amp_worker(rank, n):
@@ -91,7 +95,40 @@ def test_overflow_on_one_rank_skips_everywhere_and_scales_agree():
     for key in ("fp32", "fp32_unscale_first"):
         # power-of-two scales unscale exactly: the unscaled trajectory, bit for bit
         for out in ranks:
-            assert all(torch.equal(a, b) for a, b in zip(out[key][0], out["reference"]))
+            assert all(torch.equal(a, b) for a, b in zip(out[key][0], out["reference"][0]))
+
+
+def _amp_hierarchy_worker(rank, n, L):
+    # the inf lands on the last rank: another node than rank 0's when there are two
+    return {
+        "fp32": _scaled_run(rank, inf_rank=n - 1, hierarchy=L),
+        "fp32_unscale_first": _scaled_run(rank, inf_rank=n - 1, clip=True, hierarchy=L),
+        # the overflow reaches the step only through the scaler's found_inf (the OR of the flags)
+        "scaler_flag_only": _scaled_run(rank, inf_rank=n - 1, clip=True, hierarchy=L,
+                                        clean=True),
+        "reference": _unscaled_run(rank, hierarchy=L),
+    }
+
+
+@pytest.mark.parametrize("n, L", [(4, 2), (2, 2)], ids=["2x2", "1x2"])
+def test_hierarchy_overflow_on_one_rank_skips_everywhere_and_scales_agree(n, L):
+    """fp16 GradScaler with hierarchical D-Lion: the overflow of one rank skips the step on every
+    rank of every node, the scales stay identical, and (power-of-two scales unscale exactly) the
+    parameters and momentum shards are the unscaled hierarchical run's, bit for bit."""
+    ranks = run_workers(n, _amp_hierarchy_worker, L)
+    for key in ("fp32", "fp32_unscale_first", "scaler_flag_only"):
+        for rank, out in enumerate(ranks):
+            params, scales, skipped, state = out[key]
+            assert skipped == [s == INF_STEP for s in range(STEPS)], (key, rank)
+            assert scales == _expected_scales(), (key, rank)
+            assert all(torch.equal(a, b) for a, b in zip(params, ranks[0][key][0])), (key, rank)
+            ref_params, ref_state = out["reference"]
+            assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (key, rank)
+            assert state["state"].keys() == ref_state["state"].keys()
+            for i, s in state["state"].items():
+                assert s["step"] == STEPS - 1
+                assert torch.equal(s["exp_avg"], ref_state["state"][i]["exp_avg"]), (key, i)
+                assert s["exp_avg_range"] == ref_state["state"][i]["exp_avg_range"]
 
 
 def test_single_process_overflow_skips_and_backs_off():
