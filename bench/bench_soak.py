@@ -39,7 +39,7 @@ def _proc_status() -> dict:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "Threads"):
                 out[key] = int(value.split()[0])
-    return dict(rss_kb=out["VmRSS"], threads=out["Threads"], fds=len(os.listdir("/proc/self/fd")))
+    return dict(rss_kb=out["VmRSS"], fds=len(os.listdir("/proc/self/fd")), threads=out["Threads"])
 
 
 STRATEGIES = ("dlion", "decentralized")
