@@ -255,12 +255,16 @@ def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> 
         try:
             for p in procs:
                 p.start()
-            while why is None and any(p.exitcode is None for p in procs):
+            while why is None:
+                # one list: a rank that ends between two checks must not leave wait([]) forever
+                running = [p for p in procs if p.exitcode is None]
+                if not running:
+                    break
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     why = f"timed out after {timeout:g} s"
                     break
-                wait([p.sentinel for p in procs if p.exitcode is None], left)
+                wait([p.sentinel for p in running], left)
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     why = f"killed: rank {failed[0]} failed"
