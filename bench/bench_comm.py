@@ -23,14 +23,10 @@ sizes whose predicted time does not fit are skipped and listed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -178,76 +174,36 @@ def common_step(p, g, m, mode, votes, backend):
                                votes=votes, backend=backend)
 
 
-def _worker(rank, n, store, cfg, out_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-        rows, skipped = [], []
-        deadline = cfg["deadline"]
-        prev = None  # (d, seconds) of the last size run
-        for d in cfg["sizes"]:
-            # rank 0 decides whether this size fits the time and memory budget; all follow
-            decision = torch.zeros(1, dtype=torch.int32)
-            reason = ""
-            if rank == 0:
-                need_mem = n * d * 26  # ~6.5 fp32 vectors of d per rank at the peak
-                left = deadline - time.time()
-                predicted = prev[1] * d / prev[0] * 1.15 if prev else 0.0
-                if need_mem > 0.8 * _mem_available():
-                    reason = (f"needs ~{common.human_bytes(need_mem)}, "
-                              f"{common.human_bytes(_mem_available())} available")
-                elif predicted > left:
-                    reason = f"predicted {predicted:.0f} s > {max(left, 0):.0f} s left in budget"
-                decision[0] = 1 if reason else 0
-            dist.broadcast(decision, 0)
-            if decision.item():
-                if rank == 0:
-                    skipped.append({"n": n, "d": d, "reason": reason})
-                continue
-            t0 = time.time()
-            _run_size(rank, n, d, cfg, rows)
-            prev = (d, time.time() - t0)
-            if rank == 0:
-                print(f"  n={n} d={common.human_count(d)}: {prev[1]:.1f} s", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+def _worker(rank, n, cfg):
+    """One rank: every size of cfg that fits the budget; rank 0 returns the rows."""
+    rows, skipped = [], []
+    deadline = cfg["deadline"]
+    prev = None  # (d, seconds) of the last size run
+    for d in cfg["sizes"]:
+        # rank 0 decides whether this size fits the time and memory budget; all follow
+        decision = torch.zeros(1, dtype=torch.int32)
+        reason = ""
         if rank == 0:
-            with open(os.path.join(out_dir, "rows.json"), "w") as f:
-                json.dump({"rows": rows, "skipped": skipped}, f)
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    common.exit_worker()
-
-
-def run_ranks(n: int, cfg: dict, timeout: float) -> dict:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, n, store, cfg, tmp)) for r in range(n)]
-        for p in procs:
-            p.start()
-        end = time.time() + timeout
-        try:
-            for p in procs:
-                p.join(max(1.0, end - time.time()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        errors = []
-        for r, p in enumerate(procs):
-            err = os.path.join(tmp, f"rank{r}.err")
-            if os.path.exists(err):
-                errors.append(f"rank {r}:\n" + open(err).read())
-            elif p.exitcode != 0:
-                errors.append(f"rank {r}: exit code {p.exitcode} (killed after {timeout:.0f} s?)")
-        if errors:
-            raise RuntimeError(f"n={n} failed:\n" + "\n".join(errors))
-        with open(os.path.join(tmp, "rows.json")) as f:
-            return json.load(f)
+            need_mem = n * d * 26  # ~6.5 fp32 vectors of d per rank at the peak
+            left = deadline - time.time()
+            predicted = prev[1] * d / prev[0] * 1.15 if prev else 0.0
+            if need_mem > 0.8 * _mem_available():
+                reason = (f"needs ~{common.human_bytes(need_mem)}, "
+                          f"{common.human_bytes(_mem_available())} available")
+            elif predicted > left:
+                reason = f"predicted {predicted:.0f} s > {max(left, 0):.0f} s left in budget"
+            decision[0] = 1 if reason else 0
+        dist.broadcast(decision, 0)
+        if decision.item():
+            if rank == 0:
+                skipped.append({"n": n, "d": d, "reason": reason})
+            continue
+        t0 = time.time()
+        _run_size(rank, n, d, cfg, rows)
+        prev = (d, time.time() - t0)
+        if rank == 0:
+            print(f"  n={n} d={common.human_count(d)}: {prev[1]:.1f} s", flush=True)
+    return {"rows": rows, "skipped": skipped} if rank == 0 else None
 
 
 # ----------------------------------------------------------------------------- n = 1 compute
@@ -318,7 +274,7 @@ def main(argv=None) -> int:
                "reps": args.reps, "reps_large": args.reps_large, "large": 16 << 20,
                "deadline": time.time() + share}
         print(f"n={n}: {share:.0f} s of budget", flush=True)
-        result = run_ranks(n, cfg, timeout=share + 300)
+        result = common.run_ranks(n, _worker, cfg, timeout=share + 300)[0]
         rows += result["rows"]
         skipped += result["skipped"]
 

@@ -20,10 +20,8 @@ vote/binary. Median of ``--reps`` timings after a barrier, slowest rank.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,9 +47,7 @@ def _time(fn, reps):
     return common.median(times)
 
 
-def _worker(rank, L, store, sizes, reps, queue):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=L)
-    torch.set_num_threads(1)
+def _worker(rank, L, sizes, reps):
     from dlion_kernels.kernels import backends
 
     name = backends.resolve(None, torch.device("cpu"))
@@ -88,32 +84,6 @@ def _worker(rank, L, store, sizes, reps, queue):
                                   else mine.numel() * mine.element_size())
                 rows.append(dict(L=L, d=d, dtype=dname, variant=variant, ms=round(ms, 3),
                                  intra_bytes_sent=sent, backend=name))
-    if rank == 0:
-        queue.put(rows)
-    dist.destroy_process_group()
-    common.exit_worker(queue)
-
-
-def run(L, sizes, reps):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, L, store, sizes, reps, queue))
-                 for r in range(L)]
-        for p in procs:
-            p.start()
-        rows = None
-        while rows is None:  # a worker that fails must not leave us waiting forever
-            try:
-                rows = queue.get(timeout=5)
-            except Exception:  # queue.Empty
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit("a worker failed (see its traceback above)")
-        for p in procs:
-            p.join()
     return rows
 
 
@@ -128,7 +98,7 @@ def main(argv=None):
     reps = 2 if args.smoke else args.reps
     rows = []
     for L, sizes in shapes:
-        rows += run(L, sizes, reps)
+        rows += common.run_ranks(L, _worker, sizes, reps, timeout=3600)[0]
     for r in rows:
         other = next(x for x in rows if (x["L"], x["d"], x["dtype"]) == (r["L"], r["d"],
                      r["dtype"]) and x["variant"] != r["variant"])

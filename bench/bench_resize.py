@@ -1,6 +1,6 @@
 """Resuming D-Lion on another number of ranks: does training go on without a loss spike?
 
-    python bench/bench_resize.py --out DIR [--smoke]
+    python bench/bench_resize.py [--smoke] [--out DIR]
 
 Phase A trains the digits demo's MLP (dlion_kernels.demo.digits) with DistributedLion(vote) on
 --old ranks, then saves the model weights (rank 0: parameters are identical on every rank) and
@@ -12,23 +12,21 @@ state from:
 - rank0: every rank loads old rank 0's state (the habit from DDP, for comparison);
 - zero:  no optimizer state (momentum restarts at 0).
 
-It prints and writes (resize.json, resize.md) the training loss (mean over ranks, per step)
-around the resume, and the test accuracy at the end.
+It prints and writes (resize.json, resize.csv, resize.md, under bench/results/resize-<timestamp>/
+or --out) the training loss (mean over ranks, per step) around the resume, and the test accuracy
+at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 
 import common
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _train(rank, n, model, opt, data, steps, batch, seed):
@@ -59,12 +57,12 @@ def _accuracy(model, data):
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def _phase(rank, n, args, store, ckpt, phase, rule, queue):
+def _phase(rank, n, args, ckpt, phase, rule):
+    """Phase A (train, save) or B (load by ``rule``, train on); rank 0 returns losses and
+    accuracy."""
     import dlion_kernels as dk
     from dlion_kernels.demo.digits import load_digits, make_model
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-    torch.set_num_threads(1)
     data = load_digits(0)
     model = make_model(args.hidden, 0)
     opt = dk.DistributedLion(model.parameters(), lr=args.lr, weight_decay=1e-2)
@@ -81,27 +79,11 @@ def _phase(rank, n, args, store, ckpt, phase, rule, queue):
             manifest = dk.checkpoint.read_manifest(ckpt)
             opt.load_state_dict(torch.load(os.path.join(ckpt, manifest["files"][0]["file"])))
         losses = _train(rank, n, model, opt, data, args.steps_after, args.batch, 1000)
-    acc = _accuracy(model, data)
-    dist.barrier()
-    if rank == 0:
-        queue.put(dict(losses=losses, accuracy=acc))
-    dist.destroy_process_group()
-    common.exit_worker(queue)
+    return dict(losses=losses, accuracy=_accuracy(model, data)) if rank == 0 else None
 
 
 def _run(n, args, ckpt, phase, rule):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_phase, args=(r, n, args, store, ckpt, phase, rule, queue))
-                 for r in range(n)]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=3600)
-        for p in procs:
-            p.join(60)
-    return result
+    return common.run_ranks(n, _phase, args, ckpt, phase, rule, timeout=3600)[0]
 
 
 def _mean(xs):
@@ -119,14 +101,11 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
+    common.add_common_args(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.old, args.new, args.steps_before, args.steps_after = 2, [3], 40, 20
-    out = args.out or os.path.join("bench", "results",
-                                   f"resize-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(out, exist_ok=True)
+    out = common.results_dir("resize", args.out)
     load_before = os.getloadavg()
     w = args.window
     rows = []
@@ -148,25 +127,22 @@ def main(argv=None):
                       f"{rows[-1]['loss_first']:.4f} (max {rows[-1]['loss_first_max']:.4f}) in "
                       f"the first {w} steps after, {rows[-1]['loss_last']:.4f} at the end; "
                       f"accuracy {res['accuracy']:.3f}", flush=True)
-    meta = dict(command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
-                loadavg_before=load_before, loadavg_after=os.getloadavg(), **{
-                    k: v for k, v in vars(args).items() if k != "out"})
-    with open(os.path.join(out, "resize.json"), "w") as f:
-        json.dump(dict(metadata=meta, before=before, rows=rows), f, indent=1)
-    lines = [f"Digits MLP, DistributedLion(vote, binary), lr {args.lr}, batch {args.batch}/rank: "
-             f"{args.steps_before} steps on {args.old} ranks, then {args.steps_after} steps on "
-             f"the new count. Losses: mean over ranks per step, averaged over {w} steps. Load "
-             f"average {load_before[0]:.1f} on {os.cpu_count()} CPUs.", "",
-             f"| {args.old} -> n | optimizer state | loss, last {w} before | first {w} after "
-             f"(max) | last {w} | test accuracy |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['n_old']} -> {r['n_new']} | {r['rule']} | {r['loss_before']:.4f} | "
-                     f"{r['loss_first']:.4f} ({r['loss_first_max']:.4f}) | {r['loss_last']:.4f} "
-                     f"| {100 * r['accuracy']:.1f}% |")
-    text = "\n".join(lines)
-    with open(os.path.join(out, "resize.md"), "w") as f:
-        f.write(text + "\n")
+    meta = common.metadata(dict(benchmark="bench_resize", loadavg_before=load_before,
+                                loadavg_after=os.getloadavg(),
+                                **{k: v for k, v in vars(args).items() if k != "out"}))
+    common.save(out, "resize", rows, meta, before=before)
+    table = common.markdown_table(
+        [dict(r, move=f"{r['n_old']} -> {r['n_new']}",
+              first=f"{r['loss_first']:.4f} ({r['loss_first_max']:.4f})",
+              percent=f"{100 * r['accuracy']:.1f}%") for r in rows],
+        [("move", f"{args.old} -> n"), ("rule", "optimizer state"),
+         ("loss_before", f"loss, last {w} before", ".4f"), ("first", f"first {w} after (max)"),
+         ("loss_last", f"last {w}", ".4f"), ("percent", "test accuracy")])
+    text = (f"Digits MLP, DistributedLion(vote, binary), lr {args.lr}, batch {args.batch}/rank: "
+            f"{args.steps_before} steps on {args.old} ranks, then {args.steps_after} steps on "
+            f"the new count. Losses: mean over ranks per step, averaged over {w} steps. Load "
+            f"average {load_before[0]:.1f} on {os.cpu_count()} CPUs.\n\n{table}")
+    common.save_text(out, "resize.md", text)
     print(text)
     return 0
 

@@ -15,25 +15,21 @@ Each rank trains a small MLP on random data with its own batches, calls dk.save_
 --save-every steps (so checkpoint files and descriptors are part of the soak), and samples its
 resident memory (VmRSS), open file descriptors (/proc/self/fd) and thread count every
 --sample-every steps. After the warm-up (the first --warmup steps) each may grow by at most
---max-growth percent over its value at the end of the warm-up. Writes soak.json, soak.md and
-the samples as soak.csv (one row per phase and rank); exits 1 if a limit is exceeded.
+--max-growth percent over its value at the end of the warm-up. Writes soak.json (metadata, rows,
+samples), soak.csv (the rows: one per phase and rank), soak_samples.csv (one row per sample) and
+soak.md, under bench/results/soak-<timestamp>/ or --out; exits 1 if a limit is exceeded.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 
 import common
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _proc_status() -> dict:
@@ -43,17 +39,16 @@ def _proc_status() -> dict:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "Threads"):
                 out[key] = int(value.split()[0])
-    return dict(rss_kb=out["VmRSS"], threads=out["Threads"], fds=len(os.listdir("/proc/self/fd")))
+    return dict(rss_kb=out["VmRSS"], fds=len(os.listdir("/proc/self/fd")), threads=out["Threads"])
 
 
 STRATEGIES = ("dlion", "decentralized")
 
 
-def _rank(rank, n, args, strategy, store, ckpt_dir, queue):
+def _rank(rank, n, args, strategy, ckpt_dir):
+    """One rank of one phase: train, save, sample; returns its samples and summary."""
     import dlion_kernels as dk
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.GELU(),
                                 torch.nn.Linear(args.hidden, 10))
@@ -89,13 +84,9 @@ def _rank(rank, n, args, strategy, store, ckpt_dir, queue):
     wall = time.perf_counter() - start
     if opt is None:
         net.synchronize()
-    ckpt_files = len(os.listdir(ckpt_dir))
-    dist.barrier()
-    queue.put(dict(strategy=strategy, rank=rank, samples=samples, wall_s=wall,
-                   first_loss=sum(losses[:50]) / 50, last_loss=sum(losses[-50:]) / 50,
-                   ckpt_files=ckpt_files))
-    dist.destroy_process_group()
-    common.exit_worker(queue)
+    return dict(strategy=strategy, rank=rank, samples=samples, wall_s=wall,
+                first_loss=sum(losses[:50]) / 50, last_loss=sum(losses[-50:]) / 50,
+                ckpt_files=len(os.listdir(ckpt_dir)))
 
 
 def _growth(samples, warmup, key):
@@ -117,32 +108,19 @@ def main(argv=None):
     ap.add_argument("--max-growth", type=float, default=1.0, help="percent")
     ap.add_argument("--strategy", choices=("all",) + STRATEGIES, default="all",
                     help="which phase(s) to soak (all: dlion, then decentralized)")
-    ap.add_argument("--smoke", action="store_true", help="2 ranks, 120 steps per phase")
-    ap.add_argument("--out", default=None, help="folder for soak.json/.md/.csv")
+    common.add_common_args(ap)  # --smoke: 2 ranks, 120 steps per phase
     args = ap.parse_args(argv)
     if args.smoke:
         args.ranks, args.steps, args.warmup = 2, 120, 40
         args.sample_every, args.save_every = 10, 30
-    out = args.out or os.path.join("bench", "results", f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(out, exist_ok=True)
+    out = common.results_dir("soak", args.out)
 
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     load_before = os.getloadavg()
-    ctx = mp.get_context("spawn")
     results = []
     for strategy in strategies:  # each phase on fresh processes and a fresh checkpoint folder
-        queue = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            store, ckpt = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt")
-            procs = [ctx.Process(target=_rank,
-                                 args=(r, args.ranks, args, strategy, store, ckpt, queue))
-                     for r in range(args.ranks)]
-            for p in procs:
-                p.start()
-            phase = [queue.get(timeout=3600) for _ in procs]
-            for p in procs:
-                p.join(60)
-        results += sorted(phase, key=lambda r: r["rank"])
+        with tempfile.TemporaryDirectory() as ckpt:
+            results += common.run_ranks(args.ranks, _rank, args, strategy, ckpt, timeout=3600)
 
     rows, ok = [], True
     for r in results:
@@ -157,42 +135,30 @@ def main(argv=None):
         ok &= r["ckpt_files"] == args.ranks + 1  # rank files of the last save + manifest
         rows.append(row)
 
-    meta = dict(command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
-                python=platform.python_version(), cpus=os.cpu_count(),
-                loadavg_before=load_before, loadavg_after=os.getloadavg(), ranks=args.ranks,
-                steps=args.steps, warmup=args.warmup, max_growth_pct=args.max_growth,
-                strategies=list(strategies), ok=ok)
-    with open(os.path.join(out, "soak.json"), "w") as f:
-        json.dump(dict(metadata=meta, rows=rows, samples=[r["samples"] for r in results]), f,
-                  indent=1)
-    with open(os.path.join(out, "soak.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["strategy", "rank", "step", "rss_kb", "fds",
-                                          "threads"])
-        w.writeheader()
-        for r in results:
-            w.writerows(r["samples"])
+    meta = common.metadata(dict(
+        benchmark="bench_soak", loadavg_before=load_before, loadavg_after=os.getloadavg(),
+        ranks=args.ranks, steps=args.steps, warmup=args.warmup, max_growth_pct=args.max_growth,
+        strategies=list(strategies), ok=ok))
+    common.save(out, "soak", rows, meta, samples=[r["samples"] for r in results])
+    common.save_csv(out, "soak_samples", [s for r in results for s in r["samples"]])
     names = dict(dlion="DistributedLion", decentralized="decentralized (ring, AccumAdamW)")
-    lines = [f"Soak: {args.steps} steps of each of "
-             f"{', '.join(names[s] for s in strategies)} on {args.ranks} gloo ranks, "
-             f"save_state every {args.save_every}; growth measured after step {args.warmup} "
-             f"(limit {args.max_growth}%). Load average before/after: "
-             f"{load_before[0]:.1f} / {meta['loadavg_after'][0]:.1f} on {os.cpu_count()} CPUs.",
-             "",
-             "| phase | rank | RSS MB warm -> end (peak) | growth | fds warm -> end "
-             "| threads warm -> end | loss first 50 -> last 50 | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['strategy']} | {r['rank']} | {r['rss_kb_warm'] / 1024:.1f} -> "
-            f"{r['rss_kb_end'] / 1024:.1f} "
-            f"({r['rss_kb_peak'] / 1024:.1f}) | {r['rss_kb_growth_pct']:.2f}% | "
-            f"{r['fds_warm']} -> {r['fds_end']} | {r['threads_warm']} -> {r['threads_end']} | "
-            f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['wall_s']} |")
-    lines += ["", f"result: {'PASS' if ok else 'FAIL'}"]
-    text = "\n".join(lines)
-    with open(os.path.join(out, "soak.md"), "w") as f:
-        f.write(text + "\n")
+    table = common.markdown_table(
+        [dict(r, rss=f"{r['rss_kb_warm'] / 1024:.1f} -> {r['rss_kb_end'] / 1024:.1f} "
+                     f"({r['rss_kb_peak'] / 1024:.1f})",
+              fds=f"{r['fds_warm']} -> {r['fds_end']}",
+              threads=f"{r['threads_warm']} -> {r['threads_end']}",
+              loss=f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}") for r in rows],
+        [("strategy", "phase"), "rank", ("rss", "RSS MB warm -> end (peak)"),
+         ("rss_kb_growth_pct", "growth %", ".2f"), ("fds", "fds warm -> end"),
+         ("threads", "threads warm -> end"), ("loss", "loss first 50 -> last 50"),
+         ("wall_s", "wall s")])
+    text = (f"Soak: {args.steps} steps of each of "
+            f"{', '.join(names[s] for s in strategies)} on {args.ranks} gloo ranks, "
+            f"save_state every {args.save_every}; growth measured after step {args.warmup} "
+            f"(limit {args.max_growth}%). Load average before/after: "
+            f"{load_before[0]:.1f} / {meta['loadavg_after'][0]:.1f} on {os.cpu_count()} CPUs."
+            f"\n\n{table}\nresult: {'PASS' if ok else 'FAIL'}\n")
+    common.save_text(out, "soak.md", text)
     print(text)
     return 0 if ok else 1
 

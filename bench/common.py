@@ -2,7 +2,7 @@
 
 Every benchmark writes ``bench/results/<name>-<YYYYmmdd-HHMMSS>/`` (or ``--out DIR``) holding
 ``<name>.json`` (a ``metadata`` block, the ``rows`` and free-form ``notes``) and ``<name>.csv``
-(the rows only), and prints its tables in markdown.
+(the rows only), and prints its tables in markdown. ``run_ranks`` starts local gloo ranks.
 """
 
 from __future__ import annotations
@@ -31,20 +31,17 @@ if REPO_ROOT not in sys.path:
 SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
-# ----------------------------------------------------------------------------- workers
+# ----------------------------------------------------------------------------- ranks
 
 
-def exit_worker(queue=None) -> None:
-    """End a spawned rank after ``destroy_process_group``: flush what it wrote, then leave with
-    ``os._exit(0)``. A normal interpreter exit can abort (SIGABRT, "terminate called without an
-    active exception") while gloo's threads are torn down; it happened on CI after all results
-    were written. ``queue``: an ``mp.Queue`` this rank put results on, drained first."""
-    if queue is not None:
-        queue.close()
-        queue.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def run_ranks(n: int, fn, *args, timeout: float | None, threads: int = 1) -> list:
+    """``fn(rank, n, *args)`` on n spawned gloo processes of this host; returns the per-rank
+    results. The package's launcher (``dlion_kernels.demo.common.spawn``: file store, every rank
+    killed and named on a failure or after ``timeout`` s, ``os._exit(0)`` after
+    ``destroy_process_group``), so the benchmarks and the tests start ranks one way."""
+    from dlion_kernels.demo.common import spawn
+
+    return spawn(n, fn, *args, timeout=timeout, threads=threads)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -171,18 +168,23 @@ def results_dir(name: str, out: str | None) -> str:
 def save(out_dir: str, name: str, rows: list[dict], meta: dict, **extra) -> tuple[str, str]:
     """Write <name>.json (metadata + rows + extra) and <name>.csv (rows); return both paths."""
     json_path = os.path.join(out_dir, f"{name}.json")
-    csv_path = os.path.join(out_dir, f"{name}.csv")
     with open(json_path, "w") as f:
         json.dump({"metadata": meta, "rows": rows, **extra}, f, indent=2, default=str)
         f.write("\n")
+    return json_path, save_csv(out_dir, name, rows)
+
+
+def save_csv(out_dir: str, name: str, rows: list[dict]) -> str:
+    """Write <name>.csv: one line per row, the columns in the order the rows first use them."""
+    path = os.path.join(out_dir, f"{name}.csv")
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    with open(csv_path, "w", newline="") as f:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    return json_path, csv_path
+    return path
 
 
 def save_text(out_dir: str, filename: str, text: str) -> str:

@@ -1,61 +1,17 @@
 """Run a function on n real processes joined by a gloo process group, and collect results."""
 
-import multiprocessing as mp
-import os
-import sys
-import tempfile
-import traceback
-
-import torch
 import torch.distributed as dist
+
+from dlion_kernels.demo.common import spawn
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
                 "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv")
 
 
-def _entry(fn, rank, n, store_path, out_dir, args):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                                world_size=n)
-        torch.set_num_threads(1)  # n processes share 2 cores
-        result = fn(rank, n, *args)
-        dist.barrier()
-        dist.destroy_process_group()
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    # Skip interpreter teardown: it can abort while gloo's threads are destroyed (seen on CI,
-    # after every result was written), which would read as a failed rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_workers(n: int, fn, *args, timeout: float = 300.0) -> list:
-    """fn(rank, n, *args) on n spawned processes; returns the list of per-rank results."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, n, store, tmp, args)) for r in range(n)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        errors = []
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-                errors.append(f"rank {r}: timed out after {timeout}s")
-            err = os.path.join(tmp, f"rank{r}.err")
-            if os.path.exists(err):
-                errors.append(f"rank {r}:\n" + open(err).read())
-            elif p.exitcode != 0:
-                errors.append(f"rank {r}: exit code {p.exitcode}")
-        if errors:
-            raise RuntimeError("worker failure\n" + "\n".join(errors))
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(n)]
+    """fn(rank, n, *args) on n spawned gloo processes, one thread each; returns the list of
+    per-rank results (``dlion_kernels.demo.common.spawn``, with a bound for tests)."""
+    return spawn(n, fn, *args, timeout=timeout)
 
 
 class CountingCollectives:

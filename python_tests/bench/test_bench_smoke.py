@@ -1,6 +1,7 @@
 """The benchmarks' --smoke modes run to the end and write their results (pytest -m bench)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,3 +91,62 @@ def test_run_all_reports_a_failed_part(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "## pytest (FAILED)" in summary and "## kernels (ok)" in summary
     assert (tmp_path / "bench_kernels" / "bench_kernels.json").exists()
+
+
+def test_bench_resize_smoke(tmp_path):
+    """Trained on 2 ranks, resumed on 3 with every rule; results in the common format."""
+    _run("bench_resize.py", tmp_path, timeout=900)
+    data = json.loads((tmp_path / "resize.json").read_text())
+    assert data["metadata"]["old"] == 2 and data["metadata"]["command"]
+    assert len(data["before"]["losses"]) == 40  # --steps-before of --smoke
+    rows = data["rows"]
+    assert [(r["n_old"], r["n_new"], r["rule"]) for r in rows] == [
+        (2, 3, "mean"), (2, 3, "rank0"), (2, 3, "zero")]
+    for r in rows:
+        assert len(r["losses"]) == 20 and all(math.isfinite(x) for x in r["losses"])
+        assert 0.0 <= r["accuracy"] <= 1.0
+    assert (tmp_path / "resize.csv").read_text().startswith("n_old,n_new,rule,")
+    assert "| 2 -> n | optimizer state |" in (tmp_path / "resize.md").read_text()
+
+
+def test_bench_accum_smoke(tmp_path):
+    _run("bench_accum.py", tmp_path, timeout=300)
+    data = json.loads((tmp_path / "bench_accum.json").read_text())
+    variants = {r["variant"] for r in data["rows"]}
+    assert "copy fp32" in variants
+    assert any(v.startswith("AccumAdamW fused") for v in variants)
+    assert any(v.startswith("AccumLion fused") for v in variants)
+    assert all(r["gb_s"] > 0 for r in data["rows"])
+    assert (tmp_path / "bench_accum.md").exists()
+
+
+def test_bench_hierarchy_gather_smoke(tmp_path):
+    stdout = _run("bench_hierarchy_gather.py", tmp_path, timeout=300)
+    rows = json.loads((tmp_path / "hierarchy_gather.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} == {"aggregate", "params"}
+    for r in rows:
+        assert r["ms"] > 0
+        if r["variant"] == "aggregate":  # 1 bit per element against 32 or 16 in the params
+            other = next(x for x in rows if x["variant"] == "params" and x["d"] == r["d"]
+                         and x["dtype"] == r["dtype"])
+            assert r["intra_bytes_sent"] * 15 < other["intra_bytes_sent"]
+    assert "gather aggregate vs gather parameters" in stdout
+
+
+def test_soak_smoke(tmp_path):
+    """Both phases (DistributedLion, decentralized) run to the end within the leak limits (the
+    script exits 1 past them)."""
+    _run("bench_soak.py", tmp_path, timeout=1800)
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert data["metadata"]["ok"] and data["metadata"]["ranks"] == 2
+    assert [(row["strategy"], row["rank"]) for row in data["rows"]] == [
+        ("dlion", 0), ("dlion", 1), ("decentralized", 0), ("decentralized", 1)]
+    for row in data["rows"]:
+        assert row["fds_growth_pct"] <= 1.0 and row["threads_growth_pct"] <= 1.0
+        assert row["rss_kb_growth_pct"] <= 1.0
+        assert row["ckpt_files"] == 3  # two rank files and the manifest: old saves removed
+    assert (tmp_path / "soak.csv").read_text().startswith("strategy,rank,wall_s,")
+    samples = (tmp_path / "soak_samples.csv").read_text().splitlines()
+    assert samples[0] == "strategy,rank,step,rss_kb,fds,threads"
+    assert len(samples) == 1 + 2 * 2 * (1 + 120 // 10)  # header; phases x ranks x samples
+    assert "| rank |" in (tmp_path / "soak.md").read_text()
