@@ -297,6 +297,19 @@ def worker(cfg_path: str) -> None:
             return ddp, None, ddp
         raise ValueError(f"unknown variant {key!r}")
 
+    # Warm the process (~3 s) before the first timed case: a fresh process's first steps grow
+    # the heap and touch new pages (the first variant of a run measured 1.5-3x slower than the
+    # same variant later in the run).
+    warm = build({"variant": "no_comm", "bucket_mb": 25.0})[0]
+    xw = torch.randn(cfg["cases"][0]["batch"] if cfg["cases"] else 8, width)
+    t_warm = time.perf_counter()
+    for _ in range(20):
+        warm.zero_grad(set_to_none=True)
+        warm(xw).square().mean().backward()
+        if time.perf_counter() - t_warm > 3.0:
+            break
+    del warm, xw
+
     results = []
     for case in cfg["cases"]:
         res = {"index": case["index"]}
@@ -560,7 +573,8 @@ def run_config(nodes, L, rate, args, tmp, timeout) -> tuple[list[dict], list[dic
             with open(cfg_path, "w") as f:
                 json.dump(cfg, f)
             env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
-                       + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+                       + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                       **common.CACHING_MALLOC_ENV)
             topo.launch(lambda r: [sys.executable, os.path.abspath(__file__), "--worker",
                                    cfg_path], env, tmp, timeout, label=label)
             info = {"shaper": topo.shaper, "netem_error": topo.netem_error,
@@ -670,10 +684,14 @@ def main(argv=None) -> int:
             "transport": "gloo; one namespace per node, veth+bridge, tbf both directions; "
                          "intra-node traffic on the namespace's loopback",
             "model": f"{args.depth} x (Linear({args.width}, {args.width}) + GELU), MSE, fp32",
-            "params": d, "threads_per_rank": 1, "args": vars(args)})
+            "params": d, "threads_per_rank": 1, "rank_env": common.CACHING_MALLOC_ENV,
+            "args": vars(args)})
         notes = [
             f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
             "compare every variant with no_comm of the same configuration, not across n",
+            "ranks run with glibc malloc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
+            "MALLOC_TRIM_THRESHOLD_ = 1 GiB), as torch's caching allocator does on a GPU: "
+            "fresh gradients would otherwise page-fault every step",
             "step time = median over reps of the slowest rank; reps run back to back (a step "
             "lasts from its start to the next one's)",
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "

@@ -28,6 +28,14 @@ RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+# Rank processes of the whole-step benchmarks run with glibc malloc keeping freed memory
+# (no mmap per large block, no trim). Otherwise each step's fresh gradients (set_to_none=True)
+# come from new mmap pages: the backward of bench_training's MLP took 134 ms with page faults and
+# 64 ms without, on one rank alone, and which of the two a variant got depended on what its
+# optimizer allocated. A GPU has the same reuse from torch's caching allocator.
+CACHING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                      "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
 SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
