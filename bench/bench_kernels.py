@@ -76,7 +76,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (adds the repository root to sys.path)
-
 import torch  # noqa: E402
 
 from dlion_kernels.kernels import backends as dk_backends  # noqa: E402
@@ -582,7 +581,7 @@ def main(argv=None) -> int:
                 record(PEER_UNFUSED, PEER_UNFUSED,
                        lambda: unfused_dlion(w.params, w.grads, w.exp_avgs, LR, WD, b1, b2))
             w.free()
-            del src, dst, w
+            src = dst = w = None  # freed before the next workload (closures above are done)
             if on_gpu:
                 torch.cuda.empty_cache()
 

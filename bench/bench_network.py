@@ -11,11 +11,12 @@ down after it, also on Ctrl-C / SIGTERM / errors)::
     netns <tag>-n{n-1} ----+
 
 Every host has address 10.<A>.<B>.<k+1>/24 on its veth (a /24 drawn per run); nothing is
-routed anywhere else and the root namespace is not touched (the bridge lives in its own namespace). Each link is shaped in
-both directions: a ``tbf`` on the host-side veth (uplink) and one on the bridge-side veth
-(downlink), i.e. a full-duplex NIC of the given rate per host into a non-blocking switch. If
-``--delay-ms`` > 0, ``netem`` is tried first for the one-way delay (on the uplink, tbf as its
-child); kernels without ``sch_netem`` fall back to tbf only, and the results say so.
+routed anywhere else and the root namespace is not touched (the bridge lives in its own
+namespace). Each link is shaped in both directions: a ``tbf`` on the host-side veth (uplink)
+and one on the bridge-side veth (downlink), i.e. a full-duplex NIC of the given rate per host
+into a non-blocking switch. If ``--delay-ms`` > 0, ``netem`` is tried first for the one-way delay
+(on the uplink, tbf as its child); kernels without ``sch_netem`` fall back to tbf only, and the
+results say so.
 
 One python process per rank runs inside its namespace (``ip netns exec``) with gloo over the
 veth (``GLOO_SOCKET_IFNAME``) and a tcp:// rendezvous at rank 0's address, and times, for a flat
@@ -119,7 +120,7 @@ def worker(cfg_path: str, rank: int) -> None:
 
     probe_t, _ = timed(send, reps=2, warmup=1)
     result["probe_seconds_rank1"] = probe_t[1]
-    del probe
+    probe = None  # freed (send() is done with it)
 
     gen = torch.Generator().manual_seed(1000 + rank)
     grad = torch.randn(d, generator=gen)
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.numel, args.ranks, args.rates_gbit = "1M", [2], [1.0]
         args.reps, args.budget_s = 2, min(args.budget_s, 50.0)
+    if min(args.ranks) < 2:  # the link probe sends from rank 0 to rank 1
+        ap.error(f"--ranks: every value must be at least 2, got {args.ranks}")
     args.numel = common.parse_count(args.numel)
 
     try:

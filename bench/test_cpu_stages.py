@@ -14,10 +14,10 @@ bandwidth to compare the stages' GB/s with.
 
 with the call signatures and tensors of bench_kernels.py (``Workload``, ``stage_fns``). Each
 result's ``extra_info`` holds the bytes per element the variant must move (bench_kernels'
-``bytes_per_elt``: 8.125, 1.125, 20.125 and 28.5 for fp32 (kernel stages v2); the step is charged like bench_kernels'
-``step``, its non-finite check of the gradient is not counted), the bytes, and the GB/s of the
-median. A backend that cannot run here is skipped with the reason. The torch reference is timed
-in 3 rounds of 1 call (1.5-4 s per call at 64M).
+``bytes_per_elt``: 8.125, 1.125, 20.125 and 28.5 for fp32 (kernel stages v2); the step is
+charged like bench_kernels' ``step``, its non-finite check of the gradient is not counted), the
+bytes, and the GB/s of the median. A backend that cannot run here is skipped with the reason.
+The torch reference is timed in 3 rounds of 1 call (1.5-4 s per call at 64M).
 
 It lies outside ``testpaths`` and is marked ``bench`` (deselected by pyproject's addopts), so it
 runs only when named together with ``-m bench``:
@@ -36,7 +36,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402  (its import of common puts the repository on sys.path)
 import common  # noqa: E402
-
 import torch  # noqa: E402
 
 import dlion_kernels  # noqa: E402

@@ -9,11 +9,11 @@
 #include "cpu/accum_kernels.h"
 
 #include <algorithm>
-#include <cmath>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "accum_step.h"
 #include "cpu/convert.h"
 #include "cpu/thread_pool.h"
 
@@ -46,54 +46,10 @@ DLION_ALWAYS_INLINE void store(T* p, const float* in, int count) {
   for (int j = 0; j < count; ++j) p[j] = from_f32<T>(in[j]);
 }
 
-// ----------------------------------------------------------------------------- the optimizers
-
-// The accumulator: a += g / K, reset on flush steps; untouched when K == 1.
-template <bool K1, bool FLUSH>
-DLION_ALWAYS_INLINE float accumulate(float* a, int j, float gj, float inv_k) {
-  if (K1) return 0.0f;
-  const float aj = a[j] + gj * inv_k;
-  a[j] = FLUSH ? 0.0f : aj;
-  return aj;
-}
-
-// Element j of a block: the new x from x (read from y) and g; a, m, v updated in place.
-struct AdamW {
-  using Args = AdamWArgs;
-  static constexpr bool kSecondMoment = true;
-  template <bool K1, bool FLUSH>
-  DLION_ALWAYS_INLINE static float element(float xj, float gj, float* a, float* m, float* v,
-                                           int j, const Args& s) {
-    xj = xj * s.decay;
-    const float aj = accumulate<K1, FLUSH>(a, j, gj, s.inv_k);
-    const float mj = m[j], vj = v[j];
-    const float mt = mj + s.omb1 * gj;
-    const float vt = vj + s.omb2 * (gj * gj);
-    xj = xj - s.step_size * (mt / (std::sqrt(vt) / s.bc2_sqrt + s.eps));
-    if (FLUSH) {
-      const float src = K1 ? gj : aj;
-      m[j] = s.b1 * (mj + s.omb1 * src);
-      v[j] = s.b2 * (vj + s.omb2 * (src * src));
-    }
-    return xj;
-  }
-};
-
-struct Lion {
-  using Args = LionArgs;
-  static constexpr bool kSecondMoment = false;  // the table's v row is null
-  template <bool K1, bool FLUSH>
-  DLION_ALWAYS_INLINE static float element(float xj, float gj, float* a, float* m, float*, int j,
-                                           const Args& s) {
-    const float mj = m[j];
-    const float c = s.b1 * mj + s.omb1 * gj;
-    const float sign = (c > 0.0f ? 1.0f : 0.0f) - (c < 0.0f ? 1.0f : 0.0f);
-    xj = xj - s.lr * (sign + s.wd * xj);
-    const float aj = accumulate<K1, FLUSH>(a, j, gj, s.inv_k);
-    if (FLUSH) m[j] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
-    return xj;
-  }
-};
+// The optimizers' element step (accum::AdamW, accum::Lion) is shared with the CUDA kernels:
+// csrc/accum_step.h (always inlined into the AVX2 block loops).
+using accum::AdamW;
+using accum::Lion;
 
 // ----------------------------------------------------------------------------- blocks
 

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "accum_step.h"
 #include "cuda/accum_ops.h"
 
 namespace dlion {
@@ -68,51 +69,10 @@ __device__ __forceinline__ Slice<T> load_slice(const int64_t* table, int n) {
   return e;
 }
 
-// The accumulator: a += g / K, reset on flush steps; untouched when K == 1.
-template <bool K1, bool FLUSH>
-__device__ __forceinline__ float accumulate(float* a, int64_t i, float gj, float inv_k) {
-  if (K1) return 0.0f;
-  const float aj = a[i] + gj * inv_k;
-  a[i] = FLUSH ? 0.0f : aj;
-  return aj;
-}
-
-struct AdamW {
-  using Args = AdamWArgs;
-  static constexpr const char* kName = "accum_adamw launch";
-  template <typename T, bool K1, bool FLUSH>
-  __device__ __forceinline__ static void element(const Slice<T>& e, int64_t i, const Args& s) {
-    const float gj = ld(e.g + i);
-    float xj = ld(e.y + i) * s.decay;
-    const float aj = accumulate<K1, FLUSH>(e.a, i, gj, s.inv_k);
-    const float mj = e.m[i], vj = e.v[i];
-    const float mt = mj + s.omb1 * gj;
-    const float vt = vj + s.omb2 * (gj * gj);
-    xj = xj - s.step_size * (mt / (sqrtf(vt) / s.bc2_sqrt + s.eps));
-    st(e.x + i, xj);
-    if (FLUSH) {
-      const float src = K1 ? gj : aj;
-      e.m[i] = s.b1 * (mj + s.omb1 * src);
-      e.v[i] = s.b2 * (vj + s.omb2 * (src * src));
-    }
-  }
-};
-
-struct Lion {
-  using Args = LionArgs;
-  static constexpr const char* kName = "accum_lion launch";
-  template <typename T, bool K1, bool FLUSH>
-  __device__ __forceinline__ static void element(const Slice<T>& e, int64_t i, const Args& s) {
-    const float gj = ld(e.g + i);
-    const float mj = e.m[i];
-    const float cj = s.b1 * mj + s.omb1 * gj;
-    const float sign = (cj > 0.0f ? 1.0f : 0.0f) - (cj < 0.0f ? 1.0f : 0.0f);
-    const float xj = ld(e.y + i);
-    st(e.x + i, xj - s.lr * (sign + s.wd * xj));
-    const float aj = accumulate<K1, FLUSH>(e.a, i, gj, s.inv_k);
-    if (FLUSH) e.m[i] = s.b2 * mj + s.omb2 * (K1 ? gj : aj);
-  }
-};
+// The optimizers' element step (accum::AdamW, accum::Lion), shared with the CPU kernels:
+// csrc/accum_step.h.
+using accum::AdamW;
+using accum::Lion;
 
 template <typename Op, typename T, bool K1, bool FLUSH>
 __global__ void __launch_bounds__(kThreads)
@@ -120,7 +80,7 @@ __global__ void __launch_bounds__(kThreads)
   const Slice<T> e = load_slice<T>(table, n);
 #pragma unroll 4
   for (int64_t i = e.begin + threadIdx.x; i < e.end; i += kThreads)
-    Op::template element<T, K1, FLUSH>(e, i, s);
+    st(e.x + i, Op::template element<K1, FLUSH>(ld(e.y + i), ld(e.g + i), e.a, e.m, e.v, i, s));
 }
 
 void check(cudaError_t err, const char* what) {
@@ -162,7 +122,7 @@ void check_sizes(int64_t n_tensors, int64_t n_chunks) {
 }
 
 template <typename Op>
-void run(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
+void run(const char* what, int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
          const typename Op::Args& args, int device, int64_t stream) {
   check_sizes(n_tensors, n_chunks);
   if (n_chunks == 0) return;
@@ -176,7 +136,7 @@ void run(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
     case DType::kFloat16: launch<Op, __half>(t, n, n_chunks, args, s); break;
     default: throw std::invalid_argument("dlion_kernels: unknown parameter dtype code");
   }
-  check(cudaGetLastError(), Op::kName);
+  check(cudaGetLastError(), what);
 }
 
 }  // namespace
@@ -185,12 +145,12 @@ int64_t cuda_accum_chunk_elems() { return kChunk; }
 
 void cuda_accum_adamw(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
                       const AdamWArgs& args, int device, int64_t stream) {
-  run<AdamW>(table, n_tensors, n_chunks, dtype, args, device, stream);
+  run<AdamW>("accum_adamw launch", table, n_tensors, n_chunks, dtype, args, device, stream);
 }
 
 void cuda_accum_lion(int64_t table, int64_t n_tensors, int64_t n_chunks, DType dtype,
                      const LionArgs& args, int device, int64_t stream) {
-  run<Lion>(table, n_tensors, n_chunks, dtype, args, device, stream);
+  run<Lion>("accum_lion launch", table, n_tensors, n_chunks, dtype, args, device, stream);
 }
 
 }  // namespace dlion

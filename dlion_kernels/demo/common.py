@@ -114,6 +114,18 @@ def parse_name(name: str) -> dict:
         f"{DECENTRALIZED_OPTIMIZERS}")
 
 
+def plan_strategy(name: str) -> str:
+    """The runtime model's row (``dlion_kernels.plan``) for the strategy ``name``: the one of its
+    gradient exchange (both all-reduce optimizers: ``allreduce-fp32``)."""
+    spec = parse_name(name)
+    if spec["kind"] == "all-reduce":
+        return "allreduce-fp32"
+    if spec["kind"] == "decentralized":
+        return f"decentralized-{spec['topology']}"
+    hier = "hier-" if (spec["hierarchy"] or 1) > 1 else ""
+    return f"dlion-{hier}{spec['mode']}" + ("-overlap" if spec["overlap"] else "")
+
+
 def why_not(name: str, n: int, ranks_per_node: int) -> str | None:
     """Why the strategy cannot run on n workers (None if it can)."""
     spec = parse_name(name)

@@ -47,6 +47,7 @@ from .common import (
     Hyper,
     Strategy,
     launch,
+    plan_strategy,
     same_on_all_ranks,
     task_of,
 )
@@ -119,15 +120,14 @@ def choose_auto(args, n, rank) -> str:
     if n < 2:
         raise SystemExit("--strategy auto needs at least 2 workers (it times the links)")
     L = args.hierarchy or 1
-    names = {"allreduce-fp32": "AdamW + all-reduce"}
+    candidates = ["AdamW + all-reduce"]
     for m in ("vote", "average"):
-        names[f"dlion-{m}"] = f"D-Lion {m}"
-        names[f"dlion-{m}-overlap"] = f"D-Lion {m}, overlap"
+        candidates += [f"D-Lion {m}", f"D-Lion {m}, overlap"]
         if L > 1:
-            names[f"dlion-hier-{m}"] = f"D-Lion {m}, hierarchy {L}"
-    for t in plan.TOPOLOGIES:
-        if plan.topology_problem(t, n, L) is None:
-            names[f"decentralized-{t}"] = f"Decentralized {t} {args.optimizer}"
+            candidates.append(f"D-Lion {m}, hierarchy {L}")
+    candidates += [f"Decentralized {t} {args.optimizer}" for t in plan.TOPOLOGIES
+                   if plan.topology_problem(t, n, L) is None]
+    names = {plan_strategy(c): c for c in candidates}  # the model's row -> the demo's name
     numel = sum(p.numel() for p in make_model(args.hidden, args.seed).parameters())
     inputs = auto.job_inputs(numel, ranks_per_node=L)
     n_, L_ = inputs.pop("ranks"), inputs.pop("ranks_per_node")

@@ -3,9 +3,10 @@
 
 Each call is one kernel call for the whole list of tensors, through an *accum table*
 (``csrc/accum_common.h``): int64 ``[8, T]`` rows x, g, a, m, v, numel, first CUDA chunk, y (the
-source x is read from: x itself, or ``sources[i]``), on the tensors' device. Tables are cached on their content, so a steady-state step (same tensors) builds
-and uploads nothing. The callers (``accum.py``) have checked dtypes, devices, sizes and
-contiguity.
+source x is read from: x itself, or ``sources[i]``), on the tensors' device. Tables are cached on
+their content, so a steady-state step (same tensors) builds and uploads nothing. The callers
+(``accum.py``) have checked dtypes, devices, sizes and contiguity. The dtype codes, the cache size
+and the device check are ``native.py``'s.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from . import native
 from .accum import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
 from .errors import BackendUnavailable
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_CACHE_SIZE = 64
 _backends: dict = {}
 
 
@@ -63,19 +62,12 @@ class _AccumBackend:
             table = table.to(lists[0][0].device)
         entry = (table, len(numels), chunks)
         self._tables[key] = entry
-        if len(self._tables) > _CACHE_SIZE:
+        if len(self._tables) > native._TABLE_CACHE_SIZE:
             self._tables.popitem(last=False)
         return entry
 
     def _device(self, x):
-        if self.cuda:
-            if x.device.type != "cuda":
-                raise ValueError(f"the 'cuda' backend needs CUDA tensors, got {x.device}")
-            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-            return index, torch.cuda.current_stream(index).cuda_stream
-        if x.device.type != "cpu":
-            raise ValueError(f"the 'cpu' backend needs CPU tensors, got {x.device}")
-        return None
+        return native.device_args(self.cuda, x)
 
     def adamw(self, params, grads, accs, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
               weight_decay, accum_steps, step, sources=None):
@@ -87,7 +79,7 @@ class _AccumBackend:
             return
         s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step)
         args = (*(s[k] for k in ADAMW_SCALARS), k1, step % accum_steps == 0)
-        code = _DTYPE_CODES[params[0].dtype]
+        code = native._DTYPE_CODES[params[0].dtype]
         if self.cuda:
             self._C.cuda_accum_adamw(table.data_ptr(), count, chunks, code, *args, *device)
         else:
@@ -103,7 +95,7 @@ class _AccumBackend:
             return
         s = lion_scalars(lr, beta1, beta2, weight_decay, accum_steps)
         args = (*(s[k] for k in LION_SCALARS), k1, step % accum_steps == 0)
-        code = _DTYPE_CODES[params[0].dtype]
+        code = native._DTYPE_CODES[params[0].dtype]
         if self.cuda:
             self._C.cuda_accum_lion(table.data_ptr(), count, chunks, code, *args, *device)
         else:

@@ -10,10 +10,9 @@ import os
 
 import torch
 
-BACKENDS = ("cuda", "triton", "cpu", "torch")
-
-
 from .errors import BackendUnavailable  # noqa: F401  (re-exported)
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
 
 
 def _triton_problem(device_type: str) -> str | None:

@@ -12,8 +12,8 @@ Each stage is one kernel call for the whole list of tensors. The tensors reach t
 a *tensor table* (``csrc/common.h``): an int64 tensor of 6 rows (pointer a, pointer b, numel,
 block offset, first CUDA chunk, pointer c) and one column per tensor, on the tensors' device.
 Tables are cached on their content, so a steady-state optimizer step (same tensors, same offsets)
-builds and uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype per list on
-one device; this module checks what memory safety needs when it builds a table.
+builds and uploads nothing. The callers (``step.py``) guarantee contiguous tensors of one dtype
+per list on one device; this module checks what memory safety needs when it builds a table.
 
 The module imports without ``_C``: ``problem(name)`` says why a backend cannot run, and
 ``backend(name)`` raises that as ``backends.BackendUnavailable``.
@@ -132,6 +132,19 @@ def backend(name: str):
     return _backends[name]
 
 
+def device_args(cuda: bool, t: torch.Tensor):
+    """The (device index, stream) arguments of a CUDA launch on ``t`` (current stream), None
+    on the CPU; ValueError if ``t`` is not on the backend's kind of device. Also accum_native's."""
+    if cuda:
+        if t.device.type != "cuda":
+            raise ValueError(f"the 'cuda' backend needs CUDA tensors, got {t.device}")
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return index, torch.cuda.current_stream(index).cuda_stream
+    if t.device.type != "cpu":
+        raise ValueError(f"the 'cpu' backend needs CPU tensors, got {t.device}")
+    return None
+
+
 def _dtype_code(dtype: torch.dtype, what: str) -> int:
     code = _DTYPE_CODES.get(dtype)
     if code is None:
@@ -184,14 +197,7 @@ class _NativeBackend:
     # ------------------------------------------------------------------------- tables
 
     def _device_args(self, t: torch.Tensor):
-        if self.cuda:
-            if t.device.type != "cuda":
-                raise ValueError(f"the 'cuda' backend needs CUDA tensors, got {t.device}")
-            index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-            return index, torch.cuda.current_stream(index).cuda_stream
-        if t.device.type != "cpu":
-            raise ValueError(f"the 'cpu' backend needs CPU tensors, got {t.device}")
-        return None
+        return device_args(self.cuda, t)
 
     def _in_use(self, table: "_Table") -> int:
         """The table's address for a launch on the current stream. A cached table is shared by

@@ -203,11 +203,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             return
         self._pending = None
         verdict, stats, params, step = pending
+        skipped = True  # also when resolve() raises (a step mismatch): the step is rolled back
         try:
             skipped = verdict.resolve()
-        except BaseException:
-            skipped = True
-            raise
         finally:
             if skipped:
                 for p in params:

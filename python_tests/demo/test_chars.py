@@ -127,6 +127,23 @@ def test_strategy_rows_and_cli(capsys):
     assert common.task_of(["--task=chars"]) == "chars"
 
 
+def test_plan_strategy_names_a_row_of_the_runtime_model():
+    """--strategy auto maps the model's rows back to demo strategies through plan_strategy."""
+    from dlion_kernels import plan
+
+    rows = {r.strategy for r in plan.predict(10**6, 4, 2, inter_gbps=1.0, fwd_ms=1.0, bwd_ms=2.0,
+                                             modes=("vote", "average"))}
+    expect = {"AdamW + all-reduce": "allreduce-fp32", "Lion + all-reduce": "allreduce-fp32",
+              "D-Lion vote": "dlion-vote", "D-Lion average, overlap": "dlion-average-overlap",
+              "D-Lion vote, hierarchy 2": "dlion-hier-vote",
+              "D-Lion average, overlap, hierarchy 2": "dlion-hier-average-overlap",
+              "Decentralized ring accum-lion": "decentralized-ring"}
+    for name, row in expect.items():
+        assert common.plan_strategy(name) == row and row in rows, name
+    with pytest.raises(ValueError, match="unknown strategy"):
+        common.plan_strategy("D-Lion median")
+
+
 def test_stdlib_text_is_fixed():
     """The data is the same files in the same order, split 90/10 per file; every id in range."""
     train, val = chars.load_text()

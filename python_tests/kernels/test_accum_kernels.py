@@ -145,7 +145,8 @@ def test_reference_k1_never_touches_accumulator():
 def test_bad_arguments_modify_nothing(change, match):
     x = torch.randn(31)
     x0 = x.clone()
-    kw = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "accum_steps": 2, "step": 1}
+    kw = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+          "accum_steps": 2, "step": 1}
     kw.update(change)
     with pytest.raises(ValueError, match=match):
         accum.adamw([x], [torch.randn(31)], [torch.zeros(31)], [torch.zeros(31)],

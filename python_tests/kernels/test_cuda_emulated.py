@@ -162,7 +162,9 @@ class EmuC:
                    (ctypes.c_float * 7)(*scalars), k1, flush, device, stream)
 
     def selftest(self, which, inp=None, out=None):
-        ptr = (lambda t: None if t is None else t.data_ptr())
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
         self._call(self.lib.emu_selftest, which, ptr(inp), ptr(out))
 
 
