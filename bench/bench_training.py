@@ -32,7 +32,8 @@ default, MSE on generated data (one fixed batch per rank, different per rank). O
 jitter sleep], forward, backward, ``opt.step()``. The warm-up steps and the first timed step start
 at a barrier; the timed steps then run back to back, and a step's time is from its start to the
 next one's (the last: to the end of any outstanding gossip plus a barrier), so traffic that
-crosses a step boundary is paid where it is waited for. Timed phases per rank: fwd, bwd (includes what DDP / overlap communication the backward waits for), opt.
+crosses a step boundary is paid where it is waited for. Timed phases per rank: fwd, bwd
+(includes what DDP / overlap communication the backward waits for), opt.
 ``--jitter-ms J`` adds a uniform random 0..J ms sleep per rank per step before the forward (a
 straggler model for the decentralized / runtime-model experiments).
 

@@ -159,7 +159,8 @@ def main(argv=None) -> int:
                      f"{', '.join(missing)}")
     if "opt_ms" not in inputs and args.mem_gbs > 0:  # stated, so the output shows it
         inputs["opt_ms"] = args.params * OPT_BYTES_PER_PARAM / (args.mem_gbs * 1e9) * 1e3
-    options = dict(mem_gbs=args.mem_gbs, cpu_gbs=args.cpu_gbs, bucket_mb=args.bucket_mb, tensors=args.tensors,
+    options = dict(mem_gbs=args.mem_gbs, cpu_gbs=args.cpu_gbs, bucket_mb=args.bucket_mb,
+                   tensors=args.tensors,
                    grad_dtype=args.grad_dtype, param_dtype=args.param_dtype,
                    gossip_dtype=args.gossip_dtype, modes=args.modes, topologies=args.topologies,
                    calibration=measured.get("calibration"))
