@@ -65,8 +65,8 @@ def _train(pairs, steps, rank, first=0, micro=1):
                 for m in range(1, micro):
                     _backward(params, step, rank, m)
             _backward(params, step, rank)
-            if opt.overlap and step > 0:  # buckets started during backward (not the first)
-                assert opt._hier_step is not None and len(opt._hier_step.works) >= 2
+            if opt.overlap and opt._engine.formed:  # not the first backward: buckets started
+                assert len(opt._hier_step.works) >= 2
             opt.step()
         stats.append([opt.last_stats for _, opt in pairs])
     return stats
@@ -89,6 +89,7 @@ def _worker(rank, n, L, variants):
         resumed = _make(L, mode, votes, True, [[p.detach() for p in g] for g in over[0]])
         resumed[1].load_state_dict(saved)
         _train([over, resumed], 2, rank, first=5)
+        over7 = _snapshot(*over)
         # an overlap=True momentum shard does not fit overlap=False: a clear error at step
         wrong = _make(L, mode, votes, False, [[p.detach() for p in g] for g in over[0]])
         wrong[1].load_state_dict(over[1].state_dict())
@@ -98,10 +99,28 @@ def _worker(rank, n, L, variants):
             error = None
         except ValueError as e:
             error = str(e)
-        out.append({"flat": _snapshot(*flat), "over5": over5, "over": _snapshot(*over),
-                    "resumed": _snapshot(*resumed), "before": before, "after": after,
-                    "error": error, "stats": [(a.skipped, b.skipped, b.buckets)
-                                              for a, b in stats]})
+        # fp16 GradScaler: the votes were taken from scaled gradients during backward -> a
+        # clear error on every rank, nothing modified (as flat overlap); the next step works
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))
+        over[1].zero_grad()
+        _backward(over[0], 8, rank)
+        unscaled = _snapshot(*over)
+        try:
+            scaler.step(over[1])
+            scaled = None
+        except ValueError as e:
+            scaled = str(e)
+        changed = _snapshot(*over)
+        over[1].zero_grad()
+        _backward(over[0], 9, rank)
+        over[1].step()
+        out.append({"scaled": scaled, "unscaled": unscaled, "changed": changed,
+                    "steps": {s["step"] for s in over[1].state.values()}})
+        out[-1].update({"flat": _snapshot(*flat), "over5": over5, "over": over7,
+                        "resumed": _snapshot(*resumed), "before": before, "after": after,
+                        "error": error, "stats": [(a.skipped, b.skipped, b.buckets)
+                                                  for a, b in stats]})
     return out
 
 
@@ -139,6 +158,11 @@ def _check(n, L, variants):
             for a, b in zip(res["before"][0], res["after"][0]):
                 assert torch.equal(a, b)
             for (ra, a), (rb, b) in zip(res["before"][1], res["after"][1]):
+                assert ra == rb and torch.equal(a, b)
+            assert "GradScaler" in res["scaled"] and res["steps"] == {7}
+            for a, b in zip(res["unscaled"][0], res["changed"][0]):
+                assert torch.equal(a, b)
+            for (ra, a), (rb, b) in zip(res["unscaled"][1], res["changed"][1]):
                 assert ra == rb and torch.equal(a, b)
             # resumed momentum equals the original's, range by range
             for (ra, a), (rb, b) in zip(res["over"][1], res["resumed"][1]):
