@@ -472,7 +472,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self._refuse_scaler(grad_scaler)
         try:
             self._engine.flush()  # buckets never made ready this step (unused parameters)
-            hs, self._hier_step = self._hier_step, None
+            hs, self._hier_step = getattr(self, "_hier_step", None), None
+            if hs is None:  # no parameter takes part: nothing to exchange or apply
+                return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
             for seg, g in zip(self._segments, self.param_groups):
                 # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
                 _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
