@@ -39,6 +39,23 @@ element inside the node instead of 16 or 32, needs no parameter workspace for mi
 ``apply`` is deterministic, so the parameters stay bit-identical on all n ranks. On the CPU it was
 also the faster of the two (bench/bench_hierarchy_gather.py; numbers in the README).
 
+Overlap (``overlap=True``, ``OverlapStep``): the same phases per bucket of the bucket engine
+(``buckets.py``), during backward. Each bucket is its own block space laid out as above (S1_b =
+shard_blocks(T_b, n), S_b = N S1_b; local rank l owns the bucket's blocks [l S_b, (l+1) S_b)),
+so a parameter, which lies in one bucket, still has one contiguous range of momentum on a rank;
+the rank's momentum buffer is its bucket shards end to end. Per bucket: 1. node reduce_scatter,
+2.-4. the flag goes in the [flag, step] header of the inter-node all_to_all (no separate flag
+collectives), local step, tally, inter-node all_gather; 5. node all_gather of the N received
+headers followed by the aggregate shard, so every rank sees all n headers of every bucket. The
+tally, inter-node gather and node gather of bucket k are issued when bucket k+1 starts (lag
+one), in bucket order on every rank. ``step()`` (``finish``) takes one device skip flag from all
+the headers; momentum update and apply obey it (a NaN on any rank, or ranks on different steps,
+change nothing anywhere; the mismatch then raises), as the flat overlap does. Results are bit
+for bit those without overlap: every element's vote, tie bit and update are the same, and so is
+its node sum for L = 2 (for L > 2 the reduce_scatter may add the L values in another order when
+the element lies in another rank's shard: identical when the sums are exact). Bytes differ by
+each bucket's header words and padding.
+
 The momentum is never gathered: a rank holds only its shard. The functional ``fused_dlion_step``
 reads and writes only the shard's elements of the full-size ``exp_avgs`` it is given;
 ``DistributedLion`` keeps one flat fp32 buffer per rank and exposes per-parameter views of it as
@@ -48,6 +65,7 @@ parameter's elements that the view covers.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -58,13 +76,14 @@ from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
 from .collectives import as_timedelta, collective, new_group
-from .header import HEADER_WORDS, decide, make_header
+from .header import HEADER_WORDS, NONFINITE, decide, make_header
 from .pipeline import (
     _WORD_BYTES,
     Exchange,
     NonFiniteGradientError,
     Row,
     StepStats,
+    Verdict,
     _BucketWork,
     all_gather,
     by_dtype,
@@ -250,7 +269,11 @@ class FullMomentum:
 
 class ShardedMomentum:
     """``DistributedLion``'s momentum: one flat fp32 buffer of the rank's shard, and per-param
-    views of it in the optimizer state (which ``state_dict`` saves, and which resume restores)."""
+    views of it in the optimizer state (which ``state_dict`` saves, and which resume restores).
+
+    With ``overlap=True`` the shard is the concatenation of the rank's shards of every bucket
+    (``shard_buckets``); a parameter lies in one bucket, so its elements on this rank are still
+    one contiguous range ``exp_avg_range``."""
 
     def __init__(self):
         self.states = []  # optimizer state dicts, one per tensor of the step, in order
@@ -258,27 +281,43 @@ class ShardedMomentum:
         self.buf = None
 
     def shard(self, layout: ShardLayout, device) -> torch.Tensor:
+        return self.shard_buckets([layout], [self.states], device)[0]
+
+    def shard_buckets(self, layouts, states, device) -> list[torch.Tensor]:
+        """The momentum shard of each bucket (``layouts[b]``, its tensors' ``states[b]``), as
+        views of one buffer; checks every loaded range before anything is used."""
+        flat = [s for part in states for s in part]
         current = all(
             "exp_avg" in s and s["exp_avg"].untyped_storage().data_ptr() == self._ptr()
-            for s in self.states
+            for s in flat
         )
-        if layout == self.layout and current:
-            return self.buf
-        buf = torch.zeros(layout.shard * BLOCK, dtype=torch.float32, device=device)
-        for i, state in enumerate(self.states):
-            lo, hi, at = layout.piece(i)
-            if "exp_avg" in state:  # a loaded (or earlier) shard: it must cover the same range
-                saved = tuple(state.get("exp_avg_range", ()))
-                if saved != (lo, hi):
-                    raise ValueError(
-                        f"momentum shard {saved} of parameter {i} does not match this rank's "
-                        f"shard ({lo}, {hi}): resume with the same world size and hierarchy"
-                    )
-                buf[at : at + hi - lo].copy_(state["exp_avg"].reshape(-1))
-            state["exp_avg"] = buf[at : at + hi - lo]
-            state["exp_avg_range"] = (lo, hi)
-        self.layout, self.buf = layout, buf
-        return buf
+        key = tuple(layouts)
+        starts = [0]
+        for layout in layouts:
+            starts.append(starts[-1] + layout.shard * BLOCK)
+        if key != self.layout or not current:
+            buf = torch.zeros(starts[-1], dtype=torch.float32, device=device)
+            views = []
+            for layout, part, base in zip(layouts, states, starts):
+                for i, state in enumerate(part):
+                    lo, hi, at = layout.piece(i)
+                    if "exp_avg" in state:  # a loaded (or earlier) shard: same range
+                        saved = tuple(state.get("exp_avg_range", ()))
+                        if saved != (lo, hi):
+                            raise ValueError(
+                                f"momentum shard {saved} of a parameter does not match this "
+                                f"rank's shard ({lo}, {hi}): resume with the same world size, "
+                                "hierarchy, overlap and bucket_mb (the momentum shard layout "
+                                "of hierarchy follows the buckets with overlap=True, the whole "
+                                "model without)")
+                    views.append((state, base + at, hi - lo, (lo, hi)))
+            for state, at, size, rng in views:  # nothing written before every range checked
+                if "exp_avg" in state:
+                    buf[at : at + size].copy_(state["exp_avg"].reshape(-1))
+                state["exp_avg"] = buf[at : at + size]
+                state["exp_avg_range"] = rng
+            self.layout, self.buf = key, buf
+        return [self.buf[a:b] for a, b in itertools.pairwise(starts)]
 
     def _ptr(self):
         return None if self.buf is None else self.buf.untyped_storage().data_ptr()
@@ -418,6 +457,157 @@ def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
             # exp_avgs=None: x only; the rank's momentum is its shard, updated above
             stages.apply(work, None, None, aggregate, list(offs), s.lr, s.weight_decay, 1.0, n,
                          mode, ternary, skip=None)
+            for p, w in zip(params, work):
+                if w is not p:
+                    p.copy_(w)
+
+
+# ----------------------------------------------------------------------------- overlap
+
+
+class OverlapStep:
+    """One hierarchical step with ``overlap=True``: ``add`` runs a bucket's phases 1-4 and
+    starts its inter-node exchange (called during backward, bucket by bucket, the same order on
+    every rank); the node gather of bucket k (and its inter-node tally and all_gather) is issued
+    when bucket k+1 starts, lag one, or at ``finish``. ``finish`` waits, takes one skip flag on
+    the device from every rank's header of every bucket, and only then updates the momentum
+    shards and applies (nothing at all when skipped).
+
+    Per bucket b (its own block space, ``buckets.py``) the layout is ``ShardLayout`` of the
+    bucket's tensors: S1_b = shard_blocks(T_b, n), S_b = N S1_b; local rank l owns the bucket's
+    blocks [l S_b, (l+1) S_b). The header words: every inter-node all_to_all chunk carries the
+    sender's [flag, step] (``pipeline.py``); the node gather puts the N headers a rank received
+    in front of its aggregate shard, so every rank of every node sees all n headers."""
+
+    def __init__(self, topo: Topology, *, device, mode, votes, backend, step, nonfinite,
+                 streams=None, timeout=None):
+        self.topo, self.timeout = topo, timeout
+        check_group_device(dist.group.WORLD, topo.n, torch.device(device))
+        self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
+                           backend=backend, step=step, nonfinite=nonfinite, streams=streams,
+                           timeout=timeout)
+        self.step, self.mode, self.votes = int(step), mode, votes
+        self.works: list = []  # [bucket work, layout, [(param, offset, segment)], momentum]
+        self.gathered = 0
+        self.intra = 0
+        self.numel = 0
+
+    def add(self, params, grads, segments, layout: ShardLayout, exp_avg) -> None:
+        """One bucket: ``params`` with ``grads`` (None = zero) and each one's ``Segment``, laid
+        out by ``layout``; ``exp_avg`` is the rank's momentum shard of the bucket."""
+        ex, topo = self.ex, self.topo
+        L, S, device = topo.ranks_per_node, layout.shard, ex.device
+        ex.streams.side_waits_current()
+        ex.streams.used_on_side(grads)
+        with ex.streams.on_side():
+            # 1. node-mean gradient of this rank's shard of the bucket, fp32 sums
+            work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
+            for g, off, t in zip(grads, layout.offsets, params):
+                if g is not None and t.numel() > 0:
+                    work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
+            grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
+            if L > 1:
+                collective(REDUCE_SCATTER, self.step, dist.reduce_scatter_tensor, grad, work,
+                           op=dist.ReduceOp.SUM, group=topo.intra, timeout=self.timeout)
+                grad.div_(L)
+                self.intra += (L - 1) * S * BLOCK * _F32_BYTES
+            else:
+                grad.copy_(work)
+            del work
+            # 2-4. non-finite flag (in the header), local step, inter-node all_to_all: one row
+            # per run of tensors of one param group (each has its own beta1)
+            rows, first = [], 0
+            while first < len(params):
+                last = first + 1
+                while last < len(params) and segments[last] is segments[first]:
+                    last += 1
+                lo, hi = layout.block_range(first, last)
+                if hi > lo:
+                    part = slice(BLOCK * lo, BLOCK * hi)
+                    rows.append(Row(grad[part], grad[part], exp_avg[part], lo, segments[first]))
+                first = last
+            bucket = _BucketWork(rows, S, ex)
+            bucket.start()
+            self.works.append([bucket, layout,
+                               list(zip(params, layout.offsets, segments)), exp_avg])
+            self.numel += sum(p.numel() for p in params)
+            self._gather_upto(len(self.works) - 1)
+
+    def _gather_upto(self, k: int) -> None:
+        """Tally, inter-node all_gather and node gather of buckets before ``k``."""
+        topo, L, N = self.topo, self.topo.ranks_per_node, self.topo.nodes
+        while self.gathered < k:
+            entry = self.works[self.gathered]
+            bucket = entry[0]
+            bucket.reduce()
+            bucket.wait()
+            owned = torch.cat([bucket.header.reshape(-1), bucket.aggregate])
+            if L > 1:
+                both = torch.empty(L * owned.numel(), dtype=torch.int32, device=owned.device)
+                collective(NODE_GATHER, self.step, all_gather, both, owned, topo.intra,
+                           timeout=self.timeout)
+                self.intra += (L - 1) * owned.numel() * _WORD_BYTES
+            else:
+                both = owned
+            both = both.view(L, -1)
+            words = N * HEADER_WORDS
+            # rank order: node k' local l is rank k' L + l
+            headers = both[:, :words].reshape(L, N, HEADER_WORDS).transpose(0, 1)
+            entry.append(headers.reshape(L * N, HEADER_WORDS))
+            entry.append(both[:, words:].reshape(-1))  # the bucket's flat aggregate
+            self.gathered += 1
+
+    def abandon(self) -> None:
+        """Issue and wait for the rest of this step's collectives; apply nothing."""
+        with self.ex.streams.on_side():
+            self._gather_upto(len(self.works))
+
+    def finish(self) -> HierarchicalStepStats:
+        """Waits, decides for all buckets and all n ranks at once, and applies;
+        ``self.verdict`` holds the decision (read on the host here)."""
+        ex, N, device = self.ex, self.topo.nodes, self.ex.device
+        with ex.streams.on_side():
+            self._gather_upto(len(self.works))
+            if self.works:
+                headers = torch.stack([w[4] for w in self.works])  # [buckets, n, 2]
+                skip = ((headers[..., 0] & NONFINITE).amax()
+                        | (headers[..., 1] != headers[0, 0, 1]).any()).view(1)
+            else:
+                headers = torch.zeros(0, self.topo.n, HEADER_WORDS, dtype=torch.int32,
+                                      device=device)
+                skip = None
+        ex.streams.current_waits_side()
+        ex.streams.used_on_current([w[5] for w in self.works] + [headers])
+        for bucket, _, entries, _, _, aggregate in self.works:
+            # the momentum shard, m = b2 m + (1 - b2) g (the arithmetic of the step without
+            # overlap), kept as it was when skipped
+            for r in bucket.rows:
+                b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
+                omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+                r.exp_avg.copy_(torch.where(skip != 0, r.exp_avg, b2 * r.exp_avg + omb2 * r.grad))
+            _apply_bucket(ex.stages, entries, aggregate, N, self.mode, ex.ternary, skip)
+        self.verdict = Verdict(headers, skip, ex.nonfinite, False, False)
+        skipped = self.verdict.resolve()  # raises a step mismatch / NonFiniteGradientError
+        inter = ex.sent
+        return HierarchicalStepStats(
+            bytes_sent=self.intra + inter, bytes_received=self.intra + inter, numel=self.numel,
+            world_size=self.topo.n, mode=self.mode, votes=self.votes, backend=ex.backend,
+            skipped=skipped, buckets=len(self.works), intra_node_bytes_sent=self.intra,
+            inter_node_bytes_sent=inter, nodes=N, ranks_per_node=self.topo.ranks_per_node)
+
+
+def _apply_bucket(stages, entries, aggregate, n, mode, ternary, skip) -> None:
+    """x = x - lr (D + wd x) for a bucket's parameters, unless ``skip`` (device flag)."""
+    runs: dict = {}
+    for p, off, seg in entries:
+        if p.numel() > 0:
+            runs.setdefault(id(seg), (seg, []))[1].append((p, off))
+    for seg, rows in runs.values():
+        for part in by_dtype(rows):
+            params, offs = zip(*part)
+            work = [p if p.is_contiguous() else p.contiguous() for p in params]
+            stages.apply(work, None, None, aggregate, list(offs), seg.lr, seg.weight_decay, 1.0,
+                         n, mode, ternary, skip=skip)
             for p, w in zip(params, work):
                 if w is not p:
                     p.copy_(w)

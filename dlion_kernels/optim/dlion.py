@@ -95,8 +95,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     (``exchange/hierarchy.py``): exact gradient mean inside a node, the nodes vote. Each rank then
     keeps momentum only for its shard, ~1/L of the elements: ``state[p]["exp_avg"]`` is 1-D and
     covers elements ``state[p]["exp_avg_range"]`` of ``p``; resume needs the same n and L. fp16
-    ``GradScaler`` works as in the flat case (one overflow decision for all n ranks). Not
-    combined with ``overlap=True`` yet.
+    ``GradScaler`` works as in the flat case (one overflow decision for all n ranks).
+    With ``overlap=True`` each bucket's hierarchical phases run during backward
+    (``hierarchy.OverlapStep``), bit-identical to ``overlap=False``; the momentum shards then
+    follow the buckets, so resume also needs the same ``overlap`` and ``bucket_mb`` (else
+    ``ValueError`` at the first step); fp16 ``GradScaler`` raises as with flat overlap.
+    ``hierarchy="auto"`` with ``overlap=True`` raises ``ValueError``.
 
     Failures: a peer rank that dies or stalls makes ``step()`` (with ``overlap=True`` or the DDP
     comm hook, possibly ``backward()``) raise ``DistributedStepError`` on every other rank,
@@ -138,9 +142,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         auto = isinstance(hierarchy, str) and hierarchy == "auto"
         self.ranks_per_node = 1 if auto else hier.resolve_hierarchy(hierarchy)
         hier.check_world(group, self.ranks_per_node)
-        if overlap and (auto or self.ranks_per_node > 1):
-            raise ValueError("hierarchy (L > 1 or \"auto\") and overlap=True are not combined "
-                             "yet: pass overlap=False with hierarchy")
+        if overlap and auto:
+            raise ValueError("hierarchy=\"auto\" and overlap=True are not combined yet (the "
+                             "runtime model chooses L for overlap=False): pass hierarchy=L")
         check_bucket_mb(bucket_mb)
         _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
                           differentiable=differentiable))
@@ -244,7 +248,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         self._engine = BucketEngine(params, bucket_mb=self.bucket_mb,
                                     group=attached_group(self.group, self),
-                                    on_ready=lambda bucket: self._exchange_bucket(bucket.params))
+                                    on_ready=self._bucket_ready)
+
+    def _bucket_ready(self, bucket) -> None:
+        if self.ranks_per_node > 1:
+            self._hierarchical_bucket(bucket)
+        else:
+            self._exchange_bucket(bucket.params)
 
     def _refuse_scaler(self, grad_scaler) -> None:
         scaled = (grad_scaler is not None and grad_scaler.is_enabled()) or any(
@@ -257,6 +267,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if self._exchange is not None:
             self._exchange.abandon()
             self._exchange = None
+        if getattr(self, "_hier_step", None) is not None:
+            self._hier_step.abandon()
+            self._hier_step = None
         raise ValueError(
             "fp16 GradScaler cannot be combined with overlap=True or the DDP comm hook: the votes "
             "are taken during backward, from still-scaled gradients. Use overlap=False without "
@@ -334,6 +347,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 loss = closure()
         device = next((p.device for g in self.param_groups for p in g["params"]),
                       torch.device("cpu"))
+        if self.ranks_per_node > 1 and self.overlap:
+            self.last_stats = self._hierarchical_overlap_step(grad_scaler)
+            return loss
         if self.ranks_per_node > 1:
             # fp16 GradScaler: unscaled here, the local overflow flag joins the step's flags
             found_inf = amp.before_exchange(self, grad_scaler, device)
@@ -400,6 +416,75 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if not stats.skipped:
             for state in states:
                 state["step"] = step + 1
+        return stats
+
+    # ------------------------------------------------------------------------- hierarchy
+
+    def _hierarchical_bucket(self, bucket) -> None:
+        """A bucket's hierarchical phases 1-4 and its node gather (exchange/hierarchy.py
+        ``OverlapStep``), during backward. The first bucket of a step lays out the momentum
+        shards of every bucket (checking loaded ones) before anything is sent."""
+        with torch.no_grad():
+            hs = getattr(self, "_hier_step", None)
+            if hs is None:
+                self._settle()
+                self._segments, group_of = [], {}
+                for k, g in enumerate(self.param_groups):
+                    beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+                    self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
+                                                  float(g["weight_decay"])))
+                    for p in g["params"]:
+                        group_of[id(p)] = k
+                        if p.requires_grad:
+                            self.state[p].setdefault("step", 0)
+                self._hier_group_of = group_of
+                params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+                step = max((self.state[p]["step"] for p in params), default=0)
+                device = params[0].device if params else torch.device("cpu")
+                if self._streams is None or self._streams.device != device:
+                    self._streams = Streams(device)
+                timeout = getattr(self, "timeout", None)
+                topo = hier.topology(self.group, self.ranks_per_node, timeout)
+                buckets = self._engine.buckets
+                for b in buckets:
+                    hier.check_tensors(b.params, [p.grad for p in b.params])
+                self._hier_layouts = [hier.ShardLayout.build((p.numel() for p in b.params), topo)
+                                      for b in buckets]
+                if getattr(self, "_shard", None) is None:
+                    self._shard = hier.ShardedMomentum()
+                self._hier_momentum = self._shard.shard_buckets(
+                    self._hier_layouts, [[self.state[p] for p in b.params] for b in buckets],
+                    device)
+                hs = self._hier_step = hier.OverlapStep(
+                    topo, device=device, mode=self.mode, votes=self.votes, backend=self.backend,
+                    step=step, nonfinite=self.nonfinite, streams=self._streams, timeout=timeout)
+            segments = [self._segments[self._hier_group_of[id(p)]] for p in bucket.params]
+            hs.add(bucket.params, [p.grad for p in bucket.params], segments,
+                   self._hier_layouts[bucket.index], self._hier_momentum[bucket.index])
+
+    def _hierarchical_overlap_step(self, grad_scaler) -> StepStats:
+        """step() of hierarchy=L with overlap=True: the buckets not started during backward,
+        then wait, decide and apply (``OverlapStep.finish``)."""
+        if self._engine is None:
+            self._build_engine()  # a copy: the buckets are formed from declaration order
+        self._refuse_scaler(grad_scaler)
+        try:
+            self._engine.flush()  # buckets never made ready this step (unused parameters)
+            hs, self._hier_step = getattr(self, "_hier_step", None), None
+            if hs is None:  # no parameter takes part: nothing to exchange or apply
+                return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
+            for seg, g in zip(self._segments, self.param_groups):
+                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
+                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            stats = hs.finish()
+        finally:
+            self._hier_step = None
+        if not stats.skipped:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        self.state[p]["step"] = hs.step + 1
         return stats
 
     def load_state_dict(self, state_dict: dict) -> None:

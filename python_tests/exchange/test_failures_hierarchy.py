@@ -84,3 +84,41 @@ def test_dead_or_stalled_rank_hierarchy_n4(victim, action, point, steps, names):
     for r in range(N):
         if r != victim:
             assert results[r]["timeouts"] == [default, default, short, short]
+
+
+def worker_overlap(rank, n, group, steps):
+    """hierarchy=2 with overlap=True (one bucket per parameter): the node gathers and the
+    inter-node exchanges run during backward. From FAULT_STEP on timeout=PG_TIMEOUT."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    params = list(model.parameters())
+    opt = dk.DistributedLion(params, lr=1e-2, weight_decay=0.1, hierarchy=L, overlap=True,
+                             bucket_mb=1e-6)
+    gen = torch.Generator().manual_seed(100 + rank)
+    completed = []
+    for k in range(steps):
+        if k <= FAULT_STEP:
+            dist.barrier()
+        if k == FAULT_STEP:
+            opt.timeout = PG_TIMEOUT
+        x = torch.randn(4, 8, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        before = snapshot(opt, params)
+        seen = attempt([("backward", lambda x=x: model(x).square().mean().backward()),
+                        ("step", opt.step)])
+        if seen is not None:
+            return dict(seen, before=before, now=snapshot(opt, params), completed=completed)
+        completed.append([p.detach().clone() for p in params])
+    return dict(error=None, completed=completed)
+
+
+def test_dead_rank_hierarchy_overlap_n4():
+    """Rank 1 dies before its first node gather of the step (bucket 0's, issued during backward
+    when bucket 1 starts): every survivor raises from backward() or step(), naming a collective
+    of the step, with parameters and momentum shards as they were."""
+    fault = Fault(rank=1, step=FAULT_STEP, point="before:" + NODE, action="kill")
+    results = run_with_fault(N, worker_overlap, fault, FAULT_STEP + 2, pg_timeout=PG_TIMEOUT,
+                             deadline=DEADLINE)
+    check_survivors(results, fault, N, steps={FAULT_STEP}, names={RS, A2A, GATHER, NODE},
+                    limit=PG_TIMEOUT + MARGIN, where={"backward", "step"})
+    assert results[0]["collective"] == NODE and results[0]["where"] == "backward"

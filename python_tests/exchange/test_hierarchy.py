@@ -312,9 +312,9 @@ def test_hierarchy_options_without_process_group(monkeypatch):
             dk.DistributedLion([torch.zeros(3)], hierarchy=bad)
     with pytest.raises(ValueError, match="resolved once by DistributedLion"):
         hier.resolve_hierarchy("auto")
-    for h in (2, "auto"):
-        with pytest.raises(ValueError, match="overlap=True are not combined"):
-            dk.DistributedLion([torch.zeros(3)], hierarchy=h, overlap=True)
+    # hierarchy=L with overlap=True works (test_hierarchy_overlap.py); "auto" does not yet
+    with pytest.raises(ValueError, match="overlap=True are not combined"):
+        dk.DistributedLion([torch.zeros(3)], hierarchy="auto", overlap=True)
     # "auto" on one process: nothing to choose, flat.
     assert dk.DistributedLion([torch.zeros(3)], hierarchy="auto").ranks_per_node == 1
     # L = 1 is flat D-Lion: the full-size momentum, one process.
