@@ -329,6 +329,24 @@ class ShardedMomentum:
 # ----------------------------------------------------------------------------- the step
 
 
+def _node_mean_grad(tensors, grads, layout: ShardLayout, topo: Topology, step, timeout,
+                    device) -> tuple[torch.Tensor, int]:
+    """Phase 1: the node-mean fp32 gradient of this rank's shard of ``layout`` (grads laid out
+    in a zero-padded workspace, intra-node reduce-scatter of the sums, / L), and the intra-node
+    bytes it sent."""
+    L, S = topo.ranks_per_node, layout.shard
+    work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
+    for g, off, t in zip(grads, layout.offsets, tensors):
+        if g is not None and t.numel() > 0:
+            work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
+    grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
+    if L == 1:
+        return grad.copy_(work), 0
+    collective(REDUCE_SCATTER, step, dist.reduce_scatter_tensor, grad, work,
+               op=dist.ReduceOp.SUM, group=topo.intra, timeout=timeout)
+    return grad.div_(L), (L - 1) * S * BLOCK * _F32_BYTES
+
+
 def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
                           step, nonfinite, timeout=None, found_inf=None) -> HierarchicalStepStats:
     """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
@@ -368,19 +386,8 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
             ranks_per_node=L)
 
     # 1. node-mean gradient of this rank's shard, fp32 sums
-    work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
-    for g, off, t in zip(grads_all, layout.offsets, tensors):
-        if g is not None and t.numel() > 0:
-            work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
-    grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
-    if L > 1:
-        collective(REDUCE_SCATTER, step, dist.reduce_scatter_tensor, grad, work,
-                   op=dist.ReduceOp.SUM, group=topo.intra, timeout=timeout)
-        grad.div_(L)
-        intra += (L - 1) * S * BLOCK * _F32_BYTES
-    else:
-        grad.copy_(work)
-    del work
+    grad, sent = _node_mean_grad(tensors, grads_all, layout, topo, step, timeout, device)
+    intra += sent
 
     # 2. one decision for all n ranks, before anything is modified: a non-finite value in any
     # gradient reaches the sum of exactly one shard (NaN and inf propagate through the fp32 sum;
@@ -496,24 +503,14 @@ class OverlapStep:
         """One bucket: ``params`` with ``grads`` (None = zero) and each one's ``Segment``, laid
         out by ``layout``; ``exp_avg`` is the rank's momentum shard of the bucket."""
         ex, topo = self.ex, self.topo
-        L, S, device = topo.ranks_per_node, layout.shard, ex.device
+        S, device = layout.shard, ex.device
         ex.streams.side_waits_current()
         ex.streams.used_on_side(grads)
         with ex.streams.on_side():
             # 1. node-mean gradient of this rank's shard of the bucket, fp32 sums
-            work = torch.zeros(L * S * BLOCK, dtype=torch.float32, device=device)
-            for g, off, t in zip(grads, layout.offsets, params):
-                if g is not None and t.numel() > 0:
-                    work[BLOCK * off : BLOCK * off + t.numel()].view(t.shape).copy_(g)
-            grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
-            if L > 1:
-                collective(REDUCE_SCATTER, self.step, dist.reduce_scatter_tensor, grad, work,
-                           op=dist.ReduceOp.SUM, group=topo.intra, timeout=self.timeout)
-                grad.div_(L)
-                self.intra += (L - 1) * S * BLOCK * _F32_BYTES
-            else:
-                grad.copy_(work)
-            del work
+            grad, sent = _node_mean_grad(params, grads, layout, topo, self.step, self.timeout,
+                                         device)
+            self.intra += sent
             # 2-4. non-finite flag (in the header), local step, inter-node all_to_all: one row
             # per run of tensors of one param group (each has its own beta1)
             rows, first = [], 0
