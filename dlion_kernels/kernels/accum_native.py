@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 
 from . import native
-from .accum import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
+from .accum_reference import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
 from .errors import BackendUnavailable
 
 _backends: dict = {}

@@ -1,4 +1,4 @@
-"""The ``triton`` backend of AccumAdamW / AccumLion (semantics and order: ``accum.py``).
+"""The ``triton`` backend of AccumAdamW / AccumLion (semantics and order: ``accum_reference.py``).
 
 One launch per call covers every tensor, through the tensor and program tables of
 ``triton.py`` (``_tables``: per list a typed base pointer plus element offsets; one program per
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .accum import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
+from .accum_reference import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
 from .triton import (
     _INTERPRETED,
     _LAUNCH_OPTIONS,
@@ -31,7 +31,7 @@ def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base, y_
                   decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps,
                   K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
                   SOFT_BF16: tl.constexpr):
-    """One chunk of one tensor (accum.py), x read from y (x itself or a source):
+    """One chunk of one tensor (accum_reference.py), x read from y (x itself or a source):
         x = y*decay ; a += g*inv_k ; mt = m + omb1*g ; vt = v + omb2*(g*g)
         x = x - step_size * (mt / (sqrt(vt)/bc2_sqrt + eps))
         flush: m = b1*(m + omb1*s) ; v = b2*(v + omb2*(s*s)) ; a = 0   (s = a, or g when K1)
@@ -75,7 +75,7 @@ def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, y_base,
                  lr, wd, inv_k, b1, omb1, b2, omb2,
                  K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
                  SOFT_BF16: tl.constexpr):
-    """One chunk of one tensor (accum.py), x read from y (x itself or a source):
+    """One chunk of one tensor (accum_reference.py), x read from y (x itself or a source):
         c = b1*m + omb1*g ; x = y - lr*(sign(c) + wd*y) ; a += g*inv_k
         flush: m = b2*m + omb2*s ; a = 0   (s = a, or g when K1)
     """

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from dlion_kernels.kernels import accum, accum_native, native, reference
+from dlion_kernels.kernels import accum_native, accum_reference, native, reference
 from dlion_kernels.kernels.layout import aggregate_planes, block_offsets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -569,12 +569,12 @@ def test_accum_kernels(emu, kind, K, dtype, mixed):
             kw = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
                   "accum_steps": K, "step": t, "sources": ys}
             backend.adamw(xs, gs, *states, **kw)
-            accum.adamw_reference(ex, gs, *es, **kw)
+            accum_reference.adamw_reference(ex, gs, *es, **kw)
         else:
             kw = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
                   "accum_steps": K, "step": t, "sources": ys}
             backend.lion(xs, gs, *states[:2], **kw)
-            accum.lion_reference(ex, gs, *es[:2], **kw)
+            accum_reference.lion_reference(ex, gs, *es[:2], **kw)
         for i, (y, k) in enumerate(zip(ys or [], kept)):
             assert_same(y, k, f"step {t} sources[{i}] (read only)")
         for i, (a, e) in enumerate(zip(xs, ex)):
