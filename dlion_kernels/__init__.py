@@ -11,6 +11,7 @@ Floors (each imports only from the floors below it):
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
 """
 
+from ._version import __version__  # noqa: F401  (dk.__version__)
 from .checkpoint import CheckpointError, load_state, save_state
 from .decentralized.wrapper import DecentralizedDataParallel
 from .exchange.collectives import DistributedStepError
@@ -40,7 +41,6 @@ __all__ = [
     "register_ddp_comm_hook",
     "save_state",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

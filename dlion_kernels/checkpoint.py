@@ -45,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ._version import __version__
 from .exchange.collectives import collective
 
 FORMAT = "dlion_kernels.checkpoint"
@@ -156,12 +157,6 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -201,7 +196,7 @@ def save_state(obj, directory, *, group=None) -> str:
             if errors:
                 raise CheckpointError("; ".join(errors))
             manifest = dict(format=FORMAT, format_version=FORMAT_VERSION, world_size=n,
-                            library_version=_version(), torch_version=torch.__version__,
+                            library_version=__version__, torch_version=torch.__version__,
                             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tag=tag,
                             **_describe(obj), files=records)
             _write_atomic(os.path.join(directory, MANIFEST),

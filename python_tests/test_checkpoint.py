@@ -84,6 +84,7 @@ def test_resume_same_world_size_is_bit_exact(tmp_path, n):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["world_size"] == n and len(manifest["files"]) == n
     assert manifest["param_shapes"] == [[[5, 3], [31]], [[2, 2, 2]]]
+    assert manifest["library_version"] == dk.__version__ == checkpoint.__version__
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == sorted(
         r["file"] for r in manifest["files"])
 
