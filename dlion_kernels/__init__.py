@@ -9,44 +9,48 @@ Floors (each imports only from the floors below it):
 - ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
 - ``plan``      the runtime model that predicts each strategy's step time
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
+
+The public names are loaded on first use (PEP 562), so ``import dlion_kernels`` imports no torch,
+and ``dlion_kernels.plan`` (numbers only) runs where torch is not installed.
 """
 
-from ._version import __version__  # noqa: F401  (dk.__version__)
-from .checkpoint import CheckpointError, load_state, save_state
-from .decentralized.wrapper import DecentralizedDataParallel
-from .exchange.collectives import DistributedStepError
-from .exchange.copying import DetachedGroup
-from .exchange.header import StepMismatchError
-from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
-from .kernels.backends import BackendUnavailable, available_backends
-from .optim.accum import AccumAdamW, AccumLion
-from .optim.ddp_hook import register_ddp_comm_hook
-from .optim.dlion import DistributedLion
+import importlib
 
-__all__ = [
-    "AccumAdamW",
-    "AccumLion",
-    "BackendUnavailable",
-    "CheckpointError",
-    "DecentralizedDataParallel",
-    "DetachedGroup",
-    "DistributedLion",
-    "DistributedStepError",
-    "NonFiniteGradientError",
-    "StepMismatchError",
-    "StepStats",
-    "available_backends",
-    "fused_dlion_step",
-    "load_state",
-    "register_ddp_comm_hook",
-    "save_state",
-]
+from ._version import __version__  # noqa: F401  (dk.__version__)
+
+# public name -> the module that defines it (imported on first access)
+_PUBLIC = {
+    "AccumAdamW": ".optim.accum",
+    "AccumLion": ".optim.accum",
+    "BackendUnavailable": ".kernels.backends",
+    "CheckpointError": ".checkpoint",
+    "DecentralizedDataParallel": ".decentralized.wrapper",
+    "DetachedGroup": ".exchange.copying",
+    "DistributedLion": ".optim.dlion",
+    "DistributedStepError": ".exchange.collectives",
+    "NonFiniteGradientError": ".exchange.step",
+    "StepMismatchError": ".exchange.header",
+    "StepStats": ".exchange.step",
+    "available_backends": ".kernels.backends",
+    "fused_dlion_step": ".exchange.step",
+    "load_state": ".checkpoint",
+    "register_ddp_comm_hook": ".optim.ddp_hook",
+    "save_state": ".checkpoint",
+}
+_SUBMODULES = ("checkpoint", "decentralized", "demo", "exchange", "kernels", "optim", "plan")
+
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name):
-    # dk.plan (the runtime model) is loaded on first use, so `import dlion_kernels` stays light.
-    if name == "plan":
-        import importlib
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _SUBMODULES:  # dk.plan, dk.checkpoint, ... as an eager package would have them
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return importlib.import_module(".plan", __name__)
-    raise AttributeError(f"module 'dlion_kernels' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES))
