@@ -124,14 +124,17 @@ def _broadcast_object(values: list, group, directory, name: str) -> None:
 
 
 def _describe(obj) -> dict:
-    """What must match between the saving and the loading object."""
+    """What must match between the saving and the loading object: its class, the hierarchy L
+    (``DistributedLion.ranks_per_node``; None when flat), the gossip topology's name
+    (``DecentralizedDataParallel.topology``, a ``Topology``) and the parameter shapes."""
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    hierarchy = getattr(obj, "hierarchy", None)
+    ranks_per_node = getattr(obj, "ranks_per_node", 1)
     topology = getattr(obj, "topology", None)
+    topology = getattr(topology, "name", topology)  # the name: its world size may change
     shapes = None
     if isinstance(getattr(obj, "param_groups", None), list):
         shapes = [[list(p.shape) for p in g["params"]] for g in obj.param_groups]
-    return dict(kind=kind, hierarchy=None if hierarchy is None else str(hierarchy),
+    return dict(kind=kind, hierarchy=ranks_per_node if ranks_per_node > 1 else None,
                 topology=None if topology is None else str(topology), param_shapes=shapes)
 
 
@@ -341,8 +344,20 @@ def _check_fits(obj, state, where: str) -> None:
                                   f"parameters saved, the optimizer has {len(g['params'])}")
         params += list(zip(s["params"], g["params"]))
     for pid, p in params:
-        for key, value in state["state"].get(pid, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+        entry = state["state"].get(pid, {})
+        shard = entry.get("exp_avg_range")  # hierarchy: exp_avg is elements lo..hi of p, 1-D
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if key == "exp_avg" and shard is not None:
+                lo, hi = shard
+                if not (value.dim() == 1 and 0 <= lo <= hi <= p.numel()
+                        and value.numel() == hi - lo):
+                    raise CheckpointError(
+                        f"{where}: state 'exp_avg' of parameter {pid} has shape "
+                        f"{tuple(value.shape)} for elements {lo}..{hi} (exp_avg_range), the "
+                        f"parameter has {p.numel()} elements")
+            elif value.shape != p.shape:
                 raise CheckpointError(f"{where}: state {key!r} of parameter {pid} has shape "
                                       f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
@@ -353,6 +368,12 @@ def _prepare(obj, directory: str, rank: int, n: int):
     manifest = read_manifest(directory)
     where = os.path.join(directory, MANIFEST)
     mine = _describe(obj)
+    n_old, files = manifest["world_size"], manifest["files"]
+    if manifest.get("hierarchy") is not None and n_old != n:
+        # each rank holds its shard of its node's momentum: there is no mean to take
+        raise CheckpointError(f"{where}: saved with hierarchy {manifest['hierarchy']!r} on "
+                              f"{n_old} ranks (sharded momentum); it loads on {n_old} ranks "
+                              f"only, not {n}")
     for key in ("kind", "hierarchy", "topology"):
         if manifest.get(key) != mine[key]:
             raise CheckpointError(f"{where}: saved with {key} {manifest.get(key)!r}, loading "
@@ -360,15 +381,10 @@ def _prepare(obj, directory: str, rank: int, n: int):
     if mine["param_shapes"] is not None and manifest.get("param_shapes") != mine["param_shapes"]:
         raise CheckpointError(f"{where}: parameter shapes differ: saved "
                               f"{manifest.get('param_shapes')}, optimizer {mine['param_shapes']}")
-    n_old, files = manifest["world_size"], manifest["files"]
     if n_old == n:
         state = _read_rank_file(directory, files[rank])
         _check_fits(obj, state, os.path.join(directory, files[rank]["file"]))
         return state, manifest
-    if manifest.get("hierarchy") is not None:
-        raise CheckpointError(f"{where}: saved on {n_old} ranks with hierarchy "
-                              f"{manifest['hierarchy']!r} (sharded momentum); it can be loaded on "
-                              f"{n_old} ranks only, not {n}")
     first = _read_rank_file(directory, files[0])
     acc = _to_float64(first)
     for record in files[1:]:

@@ -399,3 +399,111 @@ def test_dead_peer_in_save_is_named_and_keeps_the_previous_checkpoint(tmp_path, 
         assert os.path.exists(os.path.join(directory, record["file"]))
     params = _model()
     dk.load_state(_opt(params), directory)  # loads (here as one process: the mean momentum)
+
+
+# ----------------------------------------------------------------------------- what must match
+
+
+def _hier_opt(params):
+    return dk.DistributedLion([{"params": params[:2]}, {"params": params[2:], "lr": 3e-2}],
+                              lr=1e-2, weight_decay=0.1, hierarchy=2)
+
+
+def _hier_save_worker(rank, n, directory):
+    """Save a 2 x 2 hierarchical optimizer; a fresh one on the same 4 ranks loads its shard back,
+    a flat one is refused."""
+    params = _model()
+    opt = _hier_opt(params)
+    _train(opt, params, rank, 3, 0)
+    dk.save_state(opt, directory)
+    saved = _fresh_state(opt)
+    fresh = _hier_opt([p.detach().clone().requires_grad_(True) for p in params])
+    dk.load_state(fresh, directory)
+    _unchanged(fresh, saved)
+    flat = _opt(params)
+    _train(flat, params, rank, 1, 0)
+    before = _fresh_state(flat)
+    try:
+        dk.load_state(flat, directory)
+        refused = None
+    except dk.CheckpointError as e:
+        refused = str(e)
+    _unchanged(flat, before)
+    return refused, saved[0][0]["exp_avg_range"]
+
+
+def _hier_load_worker(rank, n, directory):
+    params = _model()
+    opt = _hier_opt(params)
+    _train(opt, params, rank, 1, 0)
+    before = _fresh_state(opt)
+    try:
+        dk.load_state(opt, directory)
+        refused = None
+    except dk.CheckpointError as e:
+        refused = str(e)
+    _unchanged(opt, before)
+    return refused
+
+
+def test_hierarchical_checkpoint_loads_on_its_world_size_only(tmp_path):
+    """A 2 x 2 hierarchical checkpoint (each rank holds its shard of its node's momentum) loads
+    on 4 ranks with hierarchy 2 only; on 2 or 8 ranks every rank raises the guard's message and
+    changes nothing."""
+    saved = run_workers(4, _hier_save_worker, str(tmp_path))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["hierarchy"] == 2 and manifest["world_size"] == 4
+    assert len({tuple(rng) for _, rng in saved}) == 2  # two shards per node: the state differs
+    for refused, _ in saved:
+        assert "saved with hierarchy 2, loading into hierarchy None" in refused
+    for n in (2, 8):
+        for refused in run_workers(n, _hier_load_worker, str(tmp_path)):
+            assert refused is not None and (
+                f"manifest.json: saved with hierarchy 2 on 4 ranks (sharded momentum); it loads "
+                f"on 4 ranks only, not {n}") in refused, refused
+            assert "exp_avg_range" not in refused
+
+
+def _ring(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return dk.DecentralizedDataParallel(model, lambda ps: dk.AccumAdamW(ps, lr=1e-2),
+                                        topology="ring", bucket_mb=0.0001)
+
+
+def _ring_save_worker(rank, n, directory):
+    ddp = _ring(rank)
+    for it in range(3):
+        gen = torch.Generator().manual_seed(100 * rank + it)
+        ddp(torch.randn(4, 7, generator=gen)).square().mean().backward()
+    ddp.synchronize()
+    dk.save_state(ddp, directory)
+    return ddp.optimizer_state_dict()
+
+
+def _ring_load_worker(rank, n, directory):
+    ddp = _ring(rank)
+    given = []
+    load = ddp.load_optimizer_state_dict
+    ddp.load_optimizer_state_dict = lambda sd: (given.append(sd), load(sd))
+    dk.load_state(ddp, directory)
+    return given[0]
+
+
+def test_decentralized_checkpoint_records_the_topology_name_and_resizes(tmp_path):
+    """The manifest keeps the topology's name (not its world size), so a ring checkpoint of 2
+    ranks loads on 4 ranks with the mean momentum, like any other resize."""
+    saved = run_workers(2, _ring_save_worker, str(tmp_path))
+    assert json.loads((tmp_path / "manifest.json").read_text())["topology"] == "ring"
+    loaded = run_workers(4, _ring_load_worker, str(tmp_path))
+    buckets = saved[0]["buckets"]
+    assert buckets and all(b["optimizer"]["state"] for b in buckets)
+    for got in loaded:
+        assert got["iteration"] == 3
+        for b, bucket in enumerate(buckets):
+            assert got["buckets"][b]["names"] == bucket["names"]
+            for pid, state in bucket["optimizer"]["state"].items():
+                mean = sum(s["buckets"][b]["optimizer"]["state"][pid]["exp_avg"].double()
+                           for s in saved) / 2
+                assert torch.equal(got["buckets"][b]["optimizer"]["state"][pid]["exp_avg"],
+                                   mean.float())
