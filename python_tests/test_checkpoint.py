@@ -2,14 +2,20 @@
 same world size, the mean-momentum rule on another, clear errors before any change, and saves
 that a crash cannot turn into a checkpoint that loads wrong."""
 
+import copy
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 
+import fuzzing as fz
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from workers import run_workers
 
 import dlion_kernels as dk
@@ -507,3 +513,80 @@ def test_decentralized_checkpoint_records_the_topology_name_and_resizes(tmp_path
                            for s in saved) / 2
                 assert torch.equal(got["buckets"][b]["optimizer"]["state"][pid]["exp_avg"],
                                    mean.float())
+
+
+# ----------------------------------------------------------------------------- load_state
+
+
+def _small_opt():
+    torch.manual_seed(0)
+    params = [torch.randn(4, 3, requires_grad=True), torch.randn(9, requires_grad=True)]
+    opt = dk.DistributedLion(params, lr=1e-2)
+    for k in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+        opt.step()
+    return params, opt
+
+
+@functools.lru_cache(maxsize=None)
+def _saved():
+    """One saved checkpoint (its files' bytes), made once for every example."""
+    params, opt = _small_opt()
+    with tempfile.TemporaryDirectory() as tmp:
+        dk.save_state(opt, tmp)
+        files = {name: open(os.path.join(tmp, name), "rb").read() for name in os.listdir(tmp)}
+    return params, opt, files
+
+
+@fz.FUZZ
+@given(st.data())
+def test_fuzz_load_state(data):
+    """Damaged checkpoints: random byte flips, truncation, appended bytes, manifest fields set to
+    random JSON values. load_state loads exactly what was saved or raises CheckpointError
+    (a ValueError) with the optimizer unchanged."""
+    params, opt, files = _saved()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, raw in files.items():
+            open(os.path.join(tmp, name), "wb").write(raw)
+        manifest_path = os.path.join(tmp, "manifest.json")
+        manifest = json.load(open(manifest_path))
+        target = data.draw(st.sampled_from(["rank-file", "manifest-bytes", "manifest-field"]))
+        path = manifest_path if target != "rank-file" else os.path.join(
+            tmp, manifest["files"][0]["file"])
+        if target == "manifest-field":
+            key = data.draw(st.sampled_from(sorted(manifest)))
+            value = data.draw(st.recursive(
+                st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=5),
+                lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3),
+                                                                            inner, max_size=3),
+                max_leaves=5))
+            manifest[key] = value
+            open(path, "w").write(json.dumps(manifest))
+        else:
+            raw = bytearray(open(path, "rb").read())
+            how = data.draw(st.sampled_from(["flip", "truncate", "append"]))
+            pos = data.draw(st.integers(0, len(raw) - 1))
+            if how == "flip":
+                raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+            elif how == "truncate":
+                raw = raw[:pos]
+            else:
+                raw += b"\x00"
+            open(path, "wb").write(bytes(raw))
+
+        fresh_params = [p.detach().clone().requires_grad_(True) for p in params]
+        fresh = dk.DistributedLion(fresh_params, lr=0.5)
+        before = copy.deepcopy(fresh.state_dict())
+        try:
+            dk.load_state(fresh, tmp)
+        except ValueError as e:
+            assert isinstance(e, dk.CheckpointError)
+            after = fresh.state_dict()
+            assert after["param_groups"] == before["param_groups"] and not after["state"]
+            return
+    # Loaded: exactly what was saved.
+    for p, q in zip(params, fresh_params):
+        fz.same(fresh.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+        assert fresh.state[q]["step"] == opt.state[p]["step"]
+    assert fresh.param_groups[0]["lr"] == 1e-2

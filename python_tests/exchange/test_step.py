@@ -1,8 +1,14 @@
 """fused_dlion_step in one process: equivalence with Lion, every backend end to end, bad input."""
 
+import copy
+
+import fuzzing as fz
+import hypothesis
 import pytest
 import torch
 from conftest import DTYPES, RTOL, assert_close_storage, backend_device, fast_backends
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dlion_kernels as dk
 from dlion_kernels.kernels.backends import BackendUnavailable
@@ -202,3 +208,42 @@ def test_empty_tensors_and_lists():
     p, m = [torch.randn(0), torch.randn(5)], [torch.zeros(0), torch.zeros(5)]
     dk.fused_dlion_step(p, [torch.randn(0), torch.randn(5)], m, lr=0.1, backend="torch")
     assert RTOL  # the tolerance table is shared with the kernel tests
+
+
+# ----------------------------------------------------------------------------- fused_dlion_step
+
+
+@fz.FUZZ
+@given(st.data())
+def test_fuzz_fused_dlion_step(data):
+    valid = data.draw(st.booleans())
+    inputs = fz.tensor_lists(data, valid)
+    hyper = fz.hyperparameters(data, valid)
+    step = data.draw(st.sampled_from([None, 0, 5] + ([] if valid else [-1, 1.5, True])))
+    ref_in = copy.deepcopy(inputs)  # keeps the aliasing structure (storages are memoized)
+    snap = fz.snapshot(inputs)
+
+    got, err = fz.outcome(lambda: dk.fused_dlion_step(*inputs, **hyper, step=step))
+    ref, ref_err = fz.outcome(lambda: dk.fused_dlion_step(*ref_in, **hyper, step=step,
+                                                        backend="torch"))
+    assert type(err) is type(ref_err), (err, ref_err)
+    hypothesis.event(f"outcome: {type(err).__name__ if err else 'ran'}")
+    if err is not None:
+        fz.assert_unchanged(inputs, snap)
+        fz.assert_unchanged(ref_in, snap)
+        return
+    for a, b in zip(fz.flat_tensors(inputs), fz.flat_tensors(ref_in)):
+        if a.device.type != "meta":
+            if a.dtype == torch.float32:
+                fz.same(a, b)
+            else:
+                assert_close_storage(a, b)
+    params, grads, exp_avgs = ref_in
+    if not fz.aliased(*ref_in) and all(t.device.type == "cpu" for t in params):
+        sp, sg, sm = fz.split_snapshot(snap, inputs)
+        want_p, want_m = fz.lion_formula(sp, sg, sm, hyper["lr"], hyper["betas"],
+                                       hyper["weight_decay"], hyper["votes"])
+        for p, w in zip(params, want_p):
+            assert_close_storage(p, w)
+        for m, w in zip(exp_avgs, want_m):
+            assert_close_storage(m, w)

@@ -1,4 +1,5 @@
-"""The native module: build facts, import safety, and the 'cpu' backend against reference.py.
+"""The native module: build facts, import safety, the 'cpu' backend against reference.py, and
+the compute-capability check against the compiled archs (no GPU needed).
 
 The full cross-backend suite is test_backends.py; this file pins the native module itself (and
 runs the CUDA backend too where one is built and a device is visible).
@@ -12,7 +13,8 @@ import torch
 from dlion_kernels.kernels import native, reference
 from dlion_kernels.kernels.layout import aggregate_planes, block_offsets, vote_planes
 
-pytestmark = pytest.mark.skipif(
+# the tests that run the module (the build-info parsing and capability checks need none)
+needs_native = pytest.mark.skipif(
     native.problem("cpu") is not None, reason=str(native.problem("cpu"))
 )
 
@@ -28,6 +30,7 @@ def _devices():
     return out
 
 
+@needs_native
 def test_build_info():
     C = native._load()
     info = C.build_info()
@@ -61,6 +64,7 @@ def _clone(ts):
     return [None if t is None else t.clone() for t in ts]
 
 
+@needs_native
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ternary", [False, True])
@@ -107,6 +111,7 @@ def test_local_step_and_apply_match_reference(device, dtype, ternary, sizes):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (n, mode)
 
 
+@needs_native
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("ternary", [False, True])
 @pytest.mark.parametrize("n", [16, 17, 63, 64, 65, 200])
@@ -130,6 +135,7 @@ def test_tally_many_voters(device, ternary, n):
         assert torch.equal(ref, nat)
 
 
+@needs_native
 def test_unaligned_views_and_cache():
     """Tensors that start off a 16-byte boundary take the scalar path; a cached table is reused."""
     be = native.backend("cpu")
@@ -151,6 +157,7 @@ def test_unaligned_views_and_cache():
     assert torch.equal(x_ref, x) and torch.equal(m_ref, m)
 
 
+@needs_native
 def test_bad_buffers_raise():
     be = native.backend("cpu")
     g, m = torch.randn(100), torch.randn(100)
@@ -163,6 +170,7 @@ def test_bad_buffers_raise():
                  "vote", False, 0)
 
 
+@needs_native
 def test_baseline_isa_variant():
     """The CPU kernels' SSE2 variant (the AVX2 + F16C one runs everywhere else in this suite):
     the same reference checks in a process that has DLION_CPU_NO_AVX2=1 from the start."""
@@ -182,3 +190,23 @@ def test_baseline_isa_variant():
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=here)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# ----------------------------------------------------------------------------- GPU capability
+
+
+def test_compiled_archs_parsed_from_build_info():
+    info = "cpu: GNU 12 (Release); cuda: nvcc 13.0, archs 80;90"
+    assert native.compiled_archs(info) == [80, 90]
+    assert native.compiled_archs("cpu: GNU; cuda: not built (DLION_BUILD_CUDA=0)") == []
+
+
+@pytest.mark.parametrize("capability, ok", [((7, 0), False), ((7, 5), False), ((8, 0), True),
+                                            ((8, 6), True), ((9, 0), True), ((12, 0), True)])
+def test_fake_capability_against_compiled_archs(capability, ok):
+    """A V100 (7.0) or T4 (7.5) with a module built for sm_80;90 is refused with a reason that
+    names the archs and the way out; 8.x, 9.0 and newer (PTX) run."""
+    problem = native.arch_problem(capability, [80, 90])
+    assert (problem is None) == ok
+    if not ok:
+        assert "sm_80, sm_90" in problem and "triton" in problem and "DLION_CUDA_ARCHS" in problem

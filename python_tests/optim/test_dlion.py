@@ -2,10 +2,16 @@
 
 import contextlib
 import copy
+import math
 
+import fuzzing as fz
+import hypothesis
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_close_storage
+from hypothesis import given
+from hypothesis import strategies as st
 from workers import run_workers
 
 import dlion_kernels as dk
@@ -218,3 +224,61 @@ def test_ddp_no_sync_with_gradient_accumulation():
         for a, b, c in zip(ddp, bare, ranks[0][0]):
             assert torch.equal(a, b), "DDP + no_sync differs from the bare model"
             assert torch.equal(a, c), "ranks differ"
+
+
+# ----------------------------------------------------------------------------- DistributedLion
+
+
+@fz.FUZZ
+@given(st.data())
+def test_fuzz_distributed_lion(data):
+    """Constructor (lists, param groups with their own bad values, generators; wrong types and
+    values) and one step; the same optimizer with backend="torch" on copies is the reference."""
+    valid = data.draw(st.booleans())
+    params, grads, _ = fz.tensor_lists(data, valid)
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    for p, g in zip(params, grads):
+        if isinstance(p, torch.Tensor) and p.is_floating_point() and p.is_leaf:
+            p.requires_grad_(True)
+            if isinstance(g, torch.Tensor) and g.shape == p.shape and g.dtype == p.dtype and \
+                    g.device == p.device:
+                p.grad = g.detach().clone()
+    hyper = fz.hyperparameters(data, valid)
+    mode, votes = hyper.pop("mode"), hyper.pop("votes")
+    nonfinite = data.draw(st.sampled_from(["raise", "skip"] + ([] if valid else ["ignore"])))
+    form = data.draw(st.sampled_from(["list", "groups", "generator"]))
+    group_lr = data.draw(st.sampled_from([1e-3] + ([] if valid else [-1.0, math.nan, "x"])))
+    ref_params = copy.deepcopy(params)
+
+    def spec(ps):
+        if form == "groups":
+            return [{"params": ps[:1]}, {"params": ps[1:], "lr": group_lr}]
+        return (p for p in ps) if form == "generator" else list(ps)
+
+    def make(ps, **kw):
+        return dk.DistributedLion(spec(ps), **hyper, mode=mode, votes=votes, nonfinite=nonfinite,
+                                  **kw)
+
+    snap = fz.snapshot(params)
+    opt, err = fz.outcome(lambda: make(params))
+    ref, ref_err = fz.outcome(lambda: make(ref_params, backend="torch"))
+    assert type(err) is type(ref_err), (err, ref_err)
+    if err is not None:
+        fz.assert_unchanged(params, snap)
+        return
+    _, err = fz.outcome(opt.step)
+    _, ref_err = fz.outcome(ref.step)
+    assert type(err) is type(ref_err), (err, ref_err)
+    hypothesis.event(f"outcome: {type(err).__name__ if err else 'ran'}")
+    if err is not None:
+        fz.assert_unchanged(params, snap)
+        return
+    for p, q in zip(params, ref_params):
+        if isinstance(p, torch.Tensor) and p.device.type != "meta":
+            assert_close_storage(p.detach(), q.detach())
+            if opt.state.get(p):
+                assert_close_storage(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+                assert opt.state[p]["step"] == ref.state[q]["step"]  # 0 when skipped
+
+
