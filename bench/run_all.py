@@ -4,7 +4,7 @@ Parts, in this order, each in a subfolder of ``bench/results/all-<YYYYmmdd-HHMMS
 ``--out DIR``), its console output kept there as ``output.txt``:
 
 - ``kernels``  bench_kernels.py          -> bench_kernels/  (GPU: do_bench medians)
-- ``pytest``   bench/test_cpu_stages.py  -> cpu_stages/     (pytest-benchmark, CPU)
+- ``pytest``   python_tests/bench/test_cpu_stages.py -> cpu_stages/ (pytest-benchmark, CPU)
 - ``comm``     bench_comm.py             -> bench_comm/
 - ``network``  bench_network.py          -> bench_network/  (needs root; else skipped)
 
@@ -45,8 +45,8 @@ SMOKE_NUMEL = "256k"
 def part_command(part: str, sub: str, args) -> list[str]:
     script = os.path.join(common.BENCH_DIR, f"bench_{part}.py")
     if part == "pytest":
-        cmd = [sys.executable, "-m", "pytest", os.path.join(common.BENCH_DIR,
-                                                              "test_cpu_stages.py"),
+        tests = os.path.join(common.REPO_ROOT, "python_tests", "bench", "test_cpu_stages.py")
+        cmd = [sys.executable, "-m", "pytest", tests,
                "-m", "bench", "-p", "no:cacheprovider", "--benchmark-sort=name",
                "--benchmark-columns=min,median,mean,stddev,rounds",
                f"--benchmark-json={os.path.join(sub, 'pytest_benchmark.json')}"]

@@ -19,11 +19,11 @@ charged like bench_kernels' ``step``, its non-finite check of the gradient is no
 bytes, and the GB/s of the median. A backend that cannot run here is skipped with the reason.
 The torch reference is timed in 3 rounds of 1 call (1.5-4 s per call at 64M).
 
-It lies outside ``testpaths`` and is marked ``bench`` (deselected by pyproject's addopts), so it
-runs only when named together with ``-m bench``:
+It is marked ``bench`` (deselected by pyproject's addopts), so it runs only with ``-m bench``
+(``bench/run_all.py``'s ``pytest`` part runs it so):
 
-    python -m pytest bench/test_cpu_stages.py -m bench --benchmark-json=out.json
-    DLION_BENCH_NUMEL=256k python -m pytest bench/test_cpu_stages.py -m bench   # quick
+    python -m pytest python_tests/bench/test_cpu_stages.py -m bench --benchmark-json=out.json
+    DLION_BENCH_NUMEL=256k python -m pytest python_tests/bench/test_cpu_stages.py -m bench  # quick
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_kernels as bk  # noqa: E402  (its import of common puts the repository on sys.path)
 import common  # noqa: E402
 import torch  # noqa: E402
