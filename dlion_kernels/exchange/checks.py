@@ -114,6 +114,18 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
     return t.untyped_storage().data_ptr(), start, start + extent * size
 
 
+def _may_hold_an_element_twice(t: torch.Tensor) -> bool:
+    """True unless each dimension, in increasing stride order, steps past everything the smaller
+    ones reach (then no two indices meet). Conservative: some layouts that hold every element
+    once but interleave (shape (3, 3), strides (2, 3)) count as overlapping too."""
+    reach = 1  # elements spanned by the dimensions taken so far
+    for stride, size in sorted((abs(s), n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:
+            return True
+        reach = stride * (size - 1) + reach
+    return False
+
+
 def check_no_overlap(params, grads, exp_avgs) -> None:
     """params and exp_avgs are written: none may share memory with any tensor of the three
     lists, nor hold one element twice (an expanded tensor). Found by fuzzing: the same parameter
@@ -128,7 +140,7 @@ def check_no_overlap(params, grads, exp_avgs) -> None:
                 continue
             ptr, lo, hi = _span(t)
             written = name != "grads"
-            if written and (hi - lo) // t.element_size() < t.numel():
+            if written and _may_hold_an_element_twice(t):
                 raise ValueError(f"{name}[{i}] has elements that share memory (an expanded "
                                  "tensor?); it is written in place: pass a tensor of its own")
             spans.append((ptr + lo, ptr + hi, written, f"{name}[{i}]"))
