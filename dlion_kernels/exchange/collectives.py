@@ -53,6 +53,9 @@ class DistributedStepError(RuntimeError):
         )
 
 
+_MAX_SECONDS = datetime.timedelta.max.total_seconds()
+
+
 def as_timedelta(timeout, name: str = "timeout") -> datetime.timedelta | None:
     """``timeout`` (None, seconds > 0 or a timedelta > 0) as a timedelta; ValueError naming
     ``name`` otherwise."""
@@ -60,9 +63,11 @@ def as_timedelta(timeout, name: str = "timeout") -> datetime.timedelta | None:
         raise ValueError(f"{name} must be > 0, got {timeout!r}")
     if timeout is None or isinstance(timeout, datetime.timedelta):
         return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+    # inf, nan and more seconds than a timedelta holds are refused here, not by an OverflowError
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and \
+            0 < timeout < _MAX_SECONDS:
         return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"{name} must be None, a number of seconds > 0 or a timedelta, got "
+    raise ValueError(f"{name} must be None, a finite number of seconds > 0 or a timedelta, got "
                      f"{timeout!r}")
 
 
