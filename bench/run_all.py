@@ -46,7 +46,8 @@ def part_command(part: str, sub: str, args) -> list[str]:
     script = os.path.join(common.BENCH_DIR, f"bench_{part}.py")
     if part == "pytest":
         tests = os.path.join(common.REPO_ROOT, "python_tests", "bench", "test_cpu_stages.py")
-        cmd = [sys.executable, "-m", "pytest", tests,
+        # -n 0: pyproject's addopts run files in parallel, which disables pytest-benchmark
+        cmd = [sys.executable, "-m", "pytest", tests, "-n", "0",
                "-m", "bench", "-p", "no:cacheprovider", "--benchmark-sort=name",
                "--benchmark-columns=min,median,mean,stddev,rounds",
                f"--benchmark-json={os.path.join(sub, 'pytest_benchmark.json')}"]
