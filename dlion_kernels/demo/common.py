@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dlion_kernels as dk
-from dlion_kernels.decentralized import topology as topologies
+from dlion_kernels import topologies
 from dlion_kernels.launch import spawn
 
 TASKS = ("digits", "chars")

@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dlion_kernels.decentralized import topology as topologies
+from dlion_kernels.decentralized.topology import local_world_size
 
 from .common import (
     DECENTRALIZED_OPTIMIZERS,
@@ -168,8 +168,8 @@ def make_model(hidden: int, seed: int) -> torch.nn.Module:
 def hyper(args, n) -> Hyper:
     return Hyper(lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
                  backend=args.backend, accum_steps=args.accum_steps, bucket_mb=0.25,
-                 ranks_per_node=topologies.local_world_size(1 if args.topology !=
-                                                            "alternating-exp-ring" else n))
+                 ranks_per_node=local_world_size(1 if args.topology != "alternating-exp-ring"
+                                                 else n))
 
 
 def train_one(name, args, rank, n, device, solo_group, data):
