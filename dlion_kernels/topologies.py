@@ -25,32 +25,36 @@ def _log2_exact(value: int) -> int | None:
     return value.bit_length() - 1 if value > 0 and value & (value - 1) == 0 else None
 
 
-def check(name: str, n: int, local: int = 1) -> None:
-    """ValueError naming what the topology ``name`` allows if it cannot run on n ranks of
-    ``local`` ranks per node."""
+def problem(name: str, n: int, local: int = 1) -> str | None:
+    """Why the topology ``name`` cannot run on n ranks in nodes of ``local`` ranks (a sentence
+    naming what it allows), or None when it can. ``local`` matters to alternating-exp-ring only."""
     if name not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {name!r}")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the world size must be an integer >= 1, got {n!r}")
+        return f"topology must be one of {TOPOLOGIES}, got {name!r}"
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"the world size must be an integer >= 1, got {n!r}"
     if n == 1:
-        return
+        return None
     if name == "ring" and n % 2:
-        raise ValueError(f"topology 'ring' needs an even number of ranks, got {n}")
+        return f"topology 'ring' needs an even number of ranks, got {n}"
     if name == "one-peer-exp" and _log2_exact(n) is None:
-        raise ValueError(f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}")
+        return f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}"
     if name == "alternating-exp-ring":
-        if not isinstance(local, int) or local < 1 or n % local:
-            raise ValueError(
-                f"topology 'alternating-exp-ring' needs the world size ({n}) to be a multiple of "
-                f"the ranks per node (LOCAL_WORLD_SIZE = {local})"
-            )
+        if isinstance(local, bool) or not isinstance(local, int) or local < 1 or n % local:
+            return (f"topology 'alternating-exp-ring' needs the world size ({n}) to be a "
+                    f"multiple of the ranks per node ({local!r}; LOCAL_WORLD_SIZE under torchrun)")
         nodes = n // local
         if nodes < 2 or _log2_exact(nodes) is None:
-            raise ValueError(
-                f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of nodes; "
-                f"{n} ranks with LOCAL_WORLD_SIZE = {local} make {nodes} node(s) "
-                "(use 'complete' or 'one-peer-exp' for one node)"
-            )
+            return (f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of nodes; "
+                    f"{n} ranks in nodes of {local} make {nodes} node(s) (use 'complete' or "
+                    "'one-peer-exp' for one node)")
+    return None
+
+
+def check(name: str, n: int, local: int = 1) -> None:
+    """ValueError with ``problem``'s sentence if the topology cannot run on n ranks."""
+    reason = problem(name, n, local)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def period(name: str, n: int, local: int = 1) -> int:

@@ -39,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dlion_kernels import topologies
 from dlion_kernels.decentralized.topology import local_world_size
 
 from .common import (
@@ -125,8 +126,8 @@ def choose_auto(args, n, rank) -> str:
         candidates += [f"D-Lion {m}", f"D-Lion {m}, overlap"]
         if L > 1:
             candidates.append(f"D-Lion {m}, hierarchy {L}")
-    candidates += [f"Decentralized {t} {args.optimizer}" for t in plan.TOPOLOGIES
-                   if plan.topology_problem(t, n, L) is None]
+    candidates += [f"Decentralized {t} {args.optimizer}" for t in topologies.TOPOLOGIES
+                   if topologies.problem(t, n, L) is None]
     names = {plan_strategy(c): c for c in candidates}  # the model's row -> the demo's name
     numel = sum(p.numel() for p in make_model(args.hidden, args.seed).parameters())
     inputs = auto.job_inputs(numel, ranks_per_node=L)

@@ -5,7 +5,6 @@
 """
 
 from .model import (
-    TOPOLOGIES,
     Calibration,
     Row,
     best,
@@ -15,11 +14,9 @@ from .model import (
     inputs_from_json,
     parse_size,
     predict,
-    topology_problem,
 )
 
 __all__ = [
-    "TOPOLOGIES",
     "Calibration",
     "Row",
     "best",
@@ -29,5 +26,4 @@ __all__ = [
     "inputs_from_json",
     "parse_size",
     "predict",
-    "topology_problem",
 ]

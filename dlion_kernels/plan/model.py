@@ -59,7 +59,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+from ..topologies import TOPOLOGIES, period, problem, schedule
+
 MODES = ("vote", "average")
 JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
@@ -476,53 +477,6 @@ def _dlion_row(cl, w, mode, overlap, L):
 # ----------------------------------------------------------------------------- topologies
 
 
-def topology_problem(topology: str, n: int, L: int) -> str | None:
-    """Why ``topology`` cannot run on n ranks in nodes of L, or None."""
-    if topology not in TOPOLOGIES:
-        return f"unknown topology {topology!r}; allowed: {', '.join(TOPOLOGIES)}"
-    if n == 1:
-        return None  # the one rank is its own group: no communication
-    if topology == "ring" and n % 2:
-        return f"topology 'ring' needs an even number of ranks, got {n}"
-    if topology == "one-peer-exp" and n & (n - 1):
-        return f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}"
-    if topology == "alternating-exp-ring":
-        nodes = n // L
-        if nodes < 2 or nodes & (nodes - 1):
-            return (f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of "
-                    f"nodes, got {nodes} nodes of {L} ranks")
-    return None
-
-
-def schedule(topology: str, n: int, L: int) -> list[list[list[int]]]:
-    """The groups of every step of one period of the topology (SPEC §7)."""
-    if n == 1:
-        return [[[0]]]
-    if topology == "complete":
-        return [[list(range(n))]]
-    if topology == "ring":
-        even = [[2 * k, 2 * k + 1] for k in range(n // 2)]
-        odd = [sorted([2 * k + 1, (2 * k + 2) % n]) for k in range(n // 2)]
-        return [even, odd] if n > 2 else [even]
-    if topology == "one-peer-exp":
-        return [[[j, j ^ (1 << b)] for j in range(n) if j < j ^ (1 << b)]
-                for b in range(n.bit_length() - 1)]
-    nodes = n // L  # alternating-exp-ring
-    members = [list(range(a * L, (a + 1) * L)) for a in range(nodes)]
-    steps = []
-    for b in range(nodes.bit_length() - 1):
-        pairs = [(a, a ^ (1 << b)) for a in range(nodes) if a < a ^ (1 << b)]
-        for phase in range(2):
-            groups = []
-            for j, (a, c) in enumerate(pairs):
-                if (j + phase) % 2 == 0:
-                    groups.append(members[a] + members[c])
-                else:
-                    groups += [members[a], members[c]]
-            steps.append(groups)
-    return steps
-
-
 def _gossip_step(cl: Cluster, groups, nbytes: float) -> Cost:
     """All groups of one step all-reduce ``nbytes`` at once: the slowest group's time, the
     mean bytes per rank. Rings of different groups leaving one node share its NIC."""
@@ -556,7 +510,7 @@ def _gossip_wait(cl: Cluster, groups, w: _Work) -> float:
 
 def _decentralized_row(cl, w, topology, gossip_bytes):
     sizes = _bucket_sizes(w.d, w.bucket_elems)
-    steps = schedule(topology, cl.n, cl.L)
+    steps = [schedule(topology, cl.n, cl.L, t) for t in range(period(topology, cl.n, cl.L))]
     total, wait = Cost(), 0.0
     for groups in steps:
         for s, count in _counts(sizes):
@@ -640,13 +594,13 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     param_bytes = _dtype_bytes(param_dtype, "param_dtype")
     gossip_bytes = _dtype_bytes(gossip_dtype, "gossip_dtype")
     if topologies is None:
-        topos = [t for t in TOPOLOGIES if topology_problem(t, n, L) is None]
+        topos = [t for t in TOPOLOGIES if problem(t, n, L) is None]
     else:
         topos = [topologies] if isinstance(topologies, str) else list(topologies)
         for t in topos:
-            problem = topology_problem(t, n, L)
-            if problem:
-                raise ValueError(f"topologies: {problem}")
+            reason = problem(t, n, L)
+            if reason:
+                raise ValueError(f"topologies: {reason}")
 
     if cpu_gbs is not None:
         cpu_gbs = _number(cpu_gbs, "cpu_gbs", positive=True)

@@ -69,6 +69,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     import json
 
     import dlion_kernels as dk
+    from dlion_kernels import topologies
 
     inputs = dict(inter_gbps=0.05, latency_us=50.0, fwd_ms=0.2, bwd_ms=0.4, opt_ms=0.1)
     path = tmp_path / "plan.json"
@@ -79,7 +80,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
                "dlion-average": "D-Lion average", "dlion-vote-overlap": "D-Lion vote, overlap",
                "dlion-average-overlap": "D-Lion average, overlap"}
     allowed.update({f"decentralized-{t}": f"Decentralized {t} accum-adamw"
-                    for t in dk.plan.TOPOLOGIES if not dk.plan.topology_problem(t, 2, 1)})
+                    for t in topologies.TOPOLOGIES if not topologies.problem(t, 2, 1)})
     rows = dk.plan.predict(numel, 2, 1, modes=("vote", "average"), bucket_mb=0.25, **inputs)
     expected = next(r.strategy for r in rows if r.strategy in allowed)
     assert expected.startswith("dlion-vote")  # 1 bit per parameter on a 50 Mbit/s link
