@@ -38,7 +38,7 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``allreduce-fp32`` / ``allreduce-bf16``: DDP, one all-reduce per bucket started when the bucket
   is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
-  aggregate, apply; nothing overlapped (SPEC §2 bytes, one int32 header word per message for the
+  aggregate, apply; nothing overlapped (SPEC §2 bytes, plus the HEADER_WORDS int32 words of the
   non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
@@ -59,6 +59,14 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..kernels.layout import (
+    BLOCK,
+    HEADER_WORDS,
+    WORD_BYTES,
+    aggregate_planes,
+    shard_blocks,
+    vote_planes,
+)
 from ..topologies import TOPOLOGIES, period, problem, schedule
 
 MODES = ("vote", "average")
@@ -66,9 +74,6 @@ JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-WORD = 4  # bytes of a packed int32 word
-BLOCK = 32  # elements per packed word (layout.py)
-HEADER_WORDS = 2  # [non-finite flag, step] in every all_to_all chunk (exchange/pipeline.py)
 # Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
 # 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
 LOCAL_FRACTION = 12.125 / 20.5
@@ -316,20 +321,15 @@ def expected_max(k: int, jitter_ms: float, dist: str = "uniform") -> float:
 # ----------------------------------------------------------------------------- byte counts
 
 
-def aggregate_planes(mode: str, n: int) -> int:
-    """Bit planes of the packed aggregate, binary votes (layout.py)."""
-    return 1 if mode == "vote" else n.bit_length()
-
-
 def dlion_exchange(cl: Cluster, g: Group, numel: float, tensors: int, mode: str) -> Cost:
     """The two-phase exchange of ``numel`` elements among the p voters of ``g``: every rank
     owns ceil(blocks / p) blocks; all_to_all_single of its votes, all_gather of its tally."""
     if g.p <= 1:
         return Cost(algorithm="none")
     blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)  # <= 31 padding bits per tensor
-    shard = max(1, math.ceil(blocks / g.p))
-    up = (shard * 1 + HEADER_WORDS) * WORD
-    down = shard * aggregate_planes(mode, g.p) * WORD
+    shard = shard_blocks(blocks, g.p)
+    up = (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES
+    down = shard * aggregate_planes(mode, "binary", g.p) * WORD_BYTES
     return all_to_all(cl, g, up) + all_gather(cl, g, down)
 
 
@@ -442,8 +442,8 @@ def _dlion_row(cl, w, mode, overlap, L):
             if w.hier_gather == "params":  # the updated parameter shards, storage dtype
                 c = c + all_gather(cl, intra_g, s / L * w.param_bytes)
             else:  # the packed aggregate shards; every rank applies all of it
-                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, voters)
-                c = c + all_gather(cl, intra_g, words * WORD)
+                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, "binary", voters)
+                c = c + all_gather(cl, intra_g, words * WORD_BYTES)
         return c
 
     memo = {s: bucket_cost(s) for s, _ in _counts(sizes)}

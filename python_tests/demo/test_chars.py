@@ -9,8 +9,13 @@ import math
 import pytest
 
 from dlion_kernels.demo import chars, common
-from dlion_kernels.exchange.header import HEADER_WORDS
-from dlion_kernels.kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
+from dlion_kernels.kernels.layout import (
+    HEADER_WORDS,
+    aggregate_planes,
+    num_blocks,
+    shard_blocks,
+    vote_planes,
+)
 
 N = 2
 STRATEGIES = ["AdamW + all-reduce", "D-Lion vote", "D-Lion average", "D-Lion vote, overlap",
