@@ -14,6 +14,7 @@ from .model import (
     inputs_from_json,
     parse_size,
     predict,
+    rank_strategies,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "inputs_from_json",
     "parse_size",
     "predict",
+    "rank_strategies",
 ]

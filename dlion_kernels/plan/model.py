@@ -50,6 +50,9 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
   a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
   topology's schedule is averaged over its period.
+
+Rows are named after the exchange they model; ``dlion_kernels/strategies.py`` names the strategy
+each one predicts (``Strategy.row``), and ``rank_strategies`` predicts named strategies.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ from ..kernels.layout import (
     shard_blocks,
     vote_planes,
 )
+from ..strategies import STRATEGIES
+from ..strategies import get as get_strategy
 from ..topologies import TOPOLOGIES, period, problem, schedule
 
 MODES = ("vote", "average")
@@ -646,12 +651,42 @@ def best(rows: list[Row]) -> str:
 # ----------------------------------------------------------------------------- callers
 
 
-def choose_strategy(params, ranks, ranks_per_node=1, *, allowed=None, **inputs) -> Row:
-    """The fastest row among ``allowed`` strategy names (None: all); for the demo's
-    ``--strategy auto``. Returns the Row: its ``options`` say how to run it."""
-    rows = predict(params, ranks, ranks_per_node, strategies=allowed, **inputs)
-    name = best(rows)
-    return next(r for r in rows if r.strategy == name)
+def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
+                    **inputs) -> list[tuple[str, Row]]:
+    """(slug, predicted row) of the named strategies (``dlion_kernels.strategies``) that can run
+    on this cluster, fastest first. ``allowed``: slugs (None: every strategy the model
+    predicts); strategies that one row predicts (``adamw-allreduce`` and ``lion-allreduce``)
+    appear once, as the first of them in ``allowed`` (or registry) order. ``inputs``: the rest of
+    predict()'s keyword arguments (modes, topologies and strategies follow from ``allowed``)."""
+    n = _number(ranks, "ranks", positive=True, integer=True)
+    L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
+    if allowed is None:
+        names = [s.slug for s in STRATEGIES.values() if s.row is not None]
+    else:
+        names = [allowed] if isinstance(allowed, str) else list(allowed)
+    by_row: dict[str, str] = {}
+    for slug in names:
+        strategy = get_strategy(slug)
+        if strategy.row is None:
+            raise ValueError(f"allowed: the runtime model has no row for {slug!r}; modelled: "
+                             + ", ".join(s.slug for s in STRATEGIES.values() if s.row))
+        if strategy.problem(n, L) is None:
+            by_row.setdefault(strategy.row, slug)
+    if not by_row:
+        raise ValueError(f"allowed: none of {names} can run on {n} ranks in nodes of {L}")
+    chosen = [get_strategy(slug) for slug in by_row.values()]
+    modes = tuple(dict.fromkeys(s.options["mode"] for s in chosen if "mode" in s.options))
+    topos = list(dict.fromkeys(s.options["topology"] for s in chosen if "topology" in s.options))
+    rows = predict(params, n, L, modes=modes or ("vote",), topologies=topos,
+                   strategies=list(by_row), **inputs)
+    return [(by_row[r.strategy], r) for r in rows]
+
+
+def choose_strategy(params, ranks, ranks_per_node=1, *, allowed=None,
+                    **inputs) -> tuple[str, Row]:
+    """The fastest of ``rank_strategies``: (its slug, its predicted row); for the demo's
+    ``--strategy auto``."""
+    return rank_strategies(params, ranks, ranks_per_node, allowed=allowed, **inputs)[0]
 
 
 def choose_hierarchy(n, ranks_per_node, params, *, mode="vote", overlap=False, **inputs) -> int:

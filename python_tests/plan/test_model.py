@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import dlion_kernels as dk
+from dlion_kernels import strategies
 from dlion_kernels.plan import model
 from dlion_kernels.plan.__main__ import main
 
@@ -362,13 +363,43 @@ def test_choose_hierarchy():
 
 def test_choose_strategy():
     inputs = dict(inter_gbps=1, intra_gbps=1000, fwd_ms=10, bwd_ms=20)
-    row = model.choose_strategy("124M", 16, 4, **inputs)
-    assert row.strategy == model.best(model.predict("124M", 16, 4, **inputs))
-    allowed = ["allreduce-fp32", "dlion-vote"]
-    row = model.choose_strategy("124M", 16, 4, allowed=allowed, **inputs)
-    assert row.strategy == "dlion-vote"
+    slug, row = model.choose_strategy("124M", 16, 4, **inputs)
+    every = model.predict("124M", 16, 4, modes=("vote", "average"), **inputs)
+    assert row.strategy == model.best(every) and strategies.get(slug).row == row.strategy
+    slug, row = model.choose_strategy("124M", 16, 4, allowed=["adamw-allreduce", "dlion-vote"],
+                                      **inputs)
+    assert (slug, row.strategy) == ("dlion-vote", "dlion-vote")
     assert row.options == {"kind": "dlion", "mode": "vote", "votes": "binary", "overlap": False,
                            "hierarchy": 1}
+
+
+def test_rank_strategies_names_every_row_once():
+    """Every row of the model predicts a named strategy; strategies one row predicts appear
+    once (the first allowed); those that cannot run on the cluster are left out."""
+    inputs = dict(inter_gbps=10, fwd_ms=10, bwd_ms=20)
+    ranked = model.rank_strategies("10M", 6, 2, **inputs)
+    rows = {r.strategy for r in model.predict("10M", 6, 2, modes=("vote", "average"),
+                                              **inputs)}
+    assert {r.strategy for _, r in ranked} == rows
+    slugs = dict((r.strategy, slug) for slug, r in ranked)
+    assert slugs["allreduce-fp32"] == "adamw-allreduce"  # the first of the two in the registry
+    assert slugs["dlion-hier-average-overlap"] == "dlion-average-hier-overlap"
+    assert "decentralized-one-peer-exp" not in slugs  # 6 ranks: not a power of two
+    steps = [r.step_ms for _, r in ranked]
+    assert steps == sorted(steps)
+    ranked = model.rank_strategies("10M", 6, 2, allowed=["lion-allreduce", "adamw-allreduce",
+                                                        "dlion-vote-hier"], **inputs)
+    assert sorted(slug for slug, _ in ranked) == ["dlion-vote-hier", "lion-allreduce"]
+    # one rank per node: the hierarchical strategy cannot run and is left out
+    ranked = model.rank_strategies("10M", 6, 1, allowed=["dlion-vote", "dlion-vote-hier"],
+                                   **inputs)
+    assert [slug for slug, _ in ranked] == ["dlion-vote"]
+    with pytest.raises(ValueError, match="no row for 'dlion-local'"):
+        model.rank_strategies("10M", 6, 2, allowed=["dlion-local"], **inputs)
+    with pytest.raises(ValueError, match="none of .* can run on 6 ranks"):
+        model.rank_strategies("10M", 6, 1, allowed=["dlion-vote-hier"], **inputs)
+    with pytest.raises(ValueError, match="unknown strategy 'dlion-median'"):
+        model.rank_strategies("10M", 6, 2, allowed=["dlion-median"], **inputs)
 
 
 def test_one_rank_sends_nothing():
