@@ -76,7 +76,7 @@ STDLIB_FILES = ("argparse.py", "textwrap.py", "functools.py", "contextlib.py", "
                 "fractions.py", "shlex.py", "string.py", "pprint.py", "calendar.py")
 VOCAB = 98  # ASCII 32..126 (95), "\n", "\t", unknown
 UNKNOWN = VOCAB - 1
-STRATEGIES = (
+DEFAULT_STRATEGIES = (
     "adamw-allreduce",
     "dlion-vote",
     "dlion-average",
@@ -93,7 +93,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo --task chars",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, "chars", STRATEGIES, lion_lr=3e-3, adamw_lr=3e-3)
+    add_common_args(ap, "chars", DEFAULT_STRATEGIES, lion_lr=3e-3, adamw_lr=3e-3)
     ap.add_argument("--iters", type=int, default=120, help="training iterations per run")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per worker per iteration")
     ap.add_argument("--context", type=int, default=64)

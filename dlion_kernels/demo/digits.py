@@ -54,14 +54,14 @@ from .common import (
     strategy_names,
 )
 
-STRATEGIES = ("dlion-vote", "dlion-average", "lion-allreduce", "adamw-allreduce")
+DEFAULT_STRATEGIES = ("dlion-vote", "dlion-average", "lion-allreduce", "adamw-allreduce")
 BUCKET_MB = 0.25  # DDP's, D-Lion overlap's and the gossip's buckets: several for this MLP
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, "digits", STRATEGIES, lion_lr=3e-4, adamw_lr=3e-3)
+    add_common_args(ap, "digits", DEFAULT_STRATEGIES, lion_lr=3e-4, adamw_lr=3e-3)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=16, help="per worker")
     ap.add_argument("--hidden", type=int, default=256)

@@ -109,7 +109,7 @@ def test_summary_over_seeds():
 def test_strategy_rows_and_cli(capsys):
     args = chars.parse_args(["--workers", "4"])
     names, skipped = common.strategy_names(args, 4)
-    assert names == list(chars.STRATEGIES) and not skipped
+    assert names == list(chars.DEFAULT_STRATEGIES) and not skipped
     # 6 workers: one-peer-exp needs a power of two and alternating-exp-ring a power-of-two
     # number of nodes; they are skipped with the reason, the others run
     names, skipped = common.strategy_names(args, 6)

@@ -18,7 +18,7 @@ MAX_GAP_TO_ALLREDUCE = 0.05
 def test_demo_trains_and_reports(tmp_path, capsys):
     plot = tmp_path / "loss.png"
     rows = {r["strategy"]: r for r in demo.main(SMALL + ["--plot", str(plot)])}
-    assert list(rows) == list(demo.STRATEGIES)
+    assert list(rows) == list(demo.DEFAULT_STRATEGIES)
     vote, average = rows["dlion-vote"], rows["dlion-average"]
     lion = rows["lion-allreduce"]
     assert vote["test_accuracy"] >= MIN_ACCURACY
