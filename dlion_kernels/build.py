@@ -44,16 +44,32 @@ class Settings:
     bucket_mb: float = 25.0  # DDP's buckets, D-Lion's overlap buckets, the gossip buckets
     ranks_per_node: int = 1  # L: the nodes of hierarchies and alternating-exp-ring
 
+    def __post_init__(self):
+        # the rest is checked by the optimizers and wrappers that take it
+        _check_count("ranks_per_node", self.ranks_per_node)
+        if self.accum_steps is not None:
+            _check_count("accum_steps", self.accum_steps)
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Settings.{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"Settings.{name} must be >= 1, got {value}")
+
 
 class Built:
     """One strategy on one rank. ``module`` is what to call (the model, or DDP / the gossip
     wrapper around it), ``optimizer`` the optimizer to step (None when the wrapper steps during
     backward), ``stats`` the last ``StepStats`` of a D-Lion step (else None)."""
 
-    def __init__(self, strategy: Strategy, model, module, optimizer, sent, source: str):
+    def __init__(self, strategy: Strategy, model, module, optimizer, sent, source: str, *,
+                 finish=None, evaluation=None):
         self.strategy, self.model, self.module, self.optimizer = strategy, model, module, optimizer
         self._sent = sent  # () -> (bytes this step, bytes to other nodes or None)
         self.bytes_source = source  # where the byte counts come from
+        self._finish = finish  # () -> None: end outstanding communication
+        self._evaluation = evaluation  # () -> the context to evaluate in
         self.bytes_total = self.steps = 0
         self.inter_node_bytes = None
 
@@ -86,15 +102,13 @@ class Built:
 
     def finish(self) -> None:
         """End outstanding communication (the last iteration's gossip)."""
-        if isinstance(self.module, DecentralizedDataParallel):
-            self.module.synchronize()
+        if self._finish is not None:
+            self._finish()
 
     def evaluation(self):
-        """The context to evaluate in: decentralized ranks hold different parameters, so their
+        """The context to evaluate in: for ranks that hold different parameters (gossip), their
         average over all ranks; otherwise nothing to do."""
-        if isinstance(self.module, DecentralizedDataParallel):
-            return self.module.global_average()
-        return contextlib.nullcontext()
+        return self._evaluation() if self._evaluation is not None else contextlib.nullcontext()
 
 
 def build(slug: str, model: torch.nn.Module, settings: Settings) -> Built:
@@ -287,7 +301,8 @@ def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
         delta, last[0] = ddp.bytes_sent - last[0], ddp.bytes_sent
         return delta, None
 
-    return Built(strategy, model, ddp, None, sent, "DecentralizedDataParallel.bytes_sent")
+    return Built(strategy, model, ddp, None, sent, "DecentralizedDataParallel.bytes_sent",
+                 finish=ddp.synchronize, evaluation=ddp.global_average)
 
 
 BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion,

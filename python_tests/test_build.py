@@ -124,6 +124,16 @@ def test_bad_input_is_refused_before_any_collective():
     assert settings == "TypeError: settings must be a build.Settings, got dict"
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(ranks_per_node=0), ValueError, "ranks_per_node must be >= 1, got 0"),
+    (dict(ranks_per_node=2.0), TypeError, "ranks_per_node must be an int, got float"),
+    (dict(accum_steps=0), ValueError, "accum_steps must be >= 1, got 0"),
+])
+def test_bad_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        b.Settings(**kwargs)
+
+
 def test_build_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialized default process group"):
         b.build("dlion-vote", _model(), b.Settings())
