@@ -49,14 +49,8 @@ class Strategy:
     row: str | None  # the runtime model's row that predicts its step, or None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     nodes: bool = False  # runs on nodes of L = ranks_per_node > 1 ranks
+    bucketed: bool = False  # exchanges per bucket of bucket_mb during backward
     legacy: str | None = None  # its variant key in round-2 bench_training results
-
-    @property
-    def bucketed(self) -> bool:
-        """Whether it exchanges per bucket of ``bucket_mb`` during backward."""
-        o = self.options
-        return self.family in ("allreduce", "decentralized") or bool(
-            o.get("overlap") or o.get("ddp_hook"))
 
     def problem(self, n: int, ranks_per_node: int = 1) -> str | None:
         """Why it cannot run on n ranks in nodes of ``ranks_per_node``, or None."""
@@ -71,21 +65,23 @@ class Strategy:
 
 
 def _entries():
-    def add(slug, label, family, optimizer, row, nodes=False, legacy=None, **options):
+    def add(slug, label, family, optimizer, row, nodes=False, bucketed=False, legacy=None,
+            **options):
         return Strategy(slug, label, family, optimizer, row, MappingProxyType(options), nodes,
-                        legacy)
+                        bucketed, legacy)
 
+    # DDP: one all-reduce per bucket during backward
     yield add("adamw-allreduce", "AdamW + all-reduce", "allreduce", "adamw", "allreduce-fp32",
-              wire="fp32")
+              bucketed=True, wire="fp32")
     yield add("lion-allreduce", "Lion + all-reduce", "allreduce", "lion", "allreduce-fp32",
-              legacy="ddp_fp32", wire="fp32")
+              bucketed=True, legacy="ddp_fp32", wire="fp32")
     # fp16 moves the bf16 row's bytes; kept out of the model's validation as before (None)
     yield add("lion-allreduce-fp16", "Lion + fp16 all-reduce", "allreduce", "lion", None,
-              legacy="ddp_fp16", wire="fp16")
+              bucketed=True, legacy="ddp_fp16", wire="fp16")
     yield add("lion-allreduce-bf16", "Lion + bf16 all-reduce", "allreduce", "lion",
-              "allreduce-bf16", legacy="ddp_bf16", wire="bf16")
+              "allreduce-bf16", bucketed=True, legacy="ddp_bf16", wire="bf16")
     yield add("lion-allreduce-hier", "Lion + hier. all-reduce (RS/AR/AG)", "allreduce", "lion",
-              None, nodes=True, legacy="hier_fp32", wire="hier-fp32")
+              None, nodes=True, bucketed=True, legacy="hier_fp32", wire="hier-fp32")
     yield add("dlion-local", "D-Lion, local tally (no comm)", "local", "dlion", None,
               legacy="no_comm")
     for mode in MODES:
@@ -98,14 +94,15 @@ def _entries():
                  f"dlion-hier-{mode}-overlap", "dlion_hier_overlap"),
                 ("-ddp-hook", ", DDP hook", False, False, True, None, "dlion_ddp_hook")]:
             yield add(f"dlion-{mode}{suffix}", f"D-Lion {mode}{label}", "dlion", "dlion", row,
-                      nodes=hier, legacy=legacy if mode == "vote" else None, mode=mode,
-                      overlap=overlap, hierarchy=hier, ddp_hook=hook)
+                      nodes=hier, bucketed=overlap or hook,
+                      legacy=legacy if mode == "vote" else None, mode=mode, overlap=overlap,
+                      hierarchy=hier, ddp_hook=hook)
     round2 = {"ring": "dec_ring", "one-peer-exp": "dec_one_peer_exp",
               "alternating-exp-ring": "dec_alt_exp_ring"}  # all with accum-adamw
     for topology in TOPOLOGIES:
         for opt in DECENTRALIZED_OPTIMIZERS:
             yield add(f"decentralized-{topology}-{opt}", f"Decentralized {topology} {opt}",
-                      "decentralized", opt, f"decentralized-{topology}",
+                      "decentralized", opt, f"decentralized-{topology}", bucketed=True,
                       legacy=round2.get(topology) if opt == "accum-adamw" else None,
                       topology=topology)
 
