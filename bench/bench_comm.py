@@ -33,9 +33,10 @@ import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from dlion_kernels.kernels.layout import WORD_BYTES  # noqa: E402
+
 DLION_VARIANTS = [("vote", "binary"), ("vote", "ternary"), ("average", "binary"),
                   ("average", "ternary")]
-WORD = 4  # bytes per packed int32 word
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -146,7 +147,7 @@ def _run_size(rank, n, d, cfg, rows):
         comm_t, _ = _timed(comm, lambda: None, warmup, reps, n)
         cs = _summary(comm_t)
         row["comm_rank0_ms"], row["comm_max_ms"] = cs["t_rank0_ms"], cs["t_max_ms"]
-        row["comm_bytes"] = (n - 1) * shard * (p_in + p_out) * WORD
+        row["comm_bytes"] = (n - 1) * shard * (p_in + p_out) * WORD_BYTES
         rows.append(row)
         del p, m, send, recv, owned, gathered
 

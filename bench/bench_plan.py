@@ -53,6 +53,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from dlion_kernels import strategies  # noqa: E402
 from dlion_kernels.plan import model  # noqa: E402
 
 TARGET_MEDIAN, TARGET_WORST, TARGET_FASTEST, WITHIN = 0.15, 0.35, 0.90, 0.05
@@ -92,23 +93,16 @@ def from_network(doc: dict) -> list[dict]:
     return rows
 
 
-TRAINING_STRATEGY = {  # bench_training variant -> predict() strategy (None: not modelled)
-    "ddp_fp32": "allreduce-fp32", "ddp_bf16": "allreduce-bf16", "dlion": "dlion-vote",
-    "dlion_overlap": "dlion-vote-overlap", "dlion_hier": "dlion-hier-vote",
-    "dlion_hier_overlap": "dlion-hier-vote-overlap", "dec_ring": "decentralized-ring",
-    "dec_one_peer_exp": "decentralized-one-peer-exp",
-    "dec_alt_exp_ring": "decentralized-alternating-exp-ring",
-    # the same bytes as a modelled row, or an algorithm the model does not list
-    "ddp_fp16": None, "dlion_ddp_hook": None, "hier_fp32": None, "no_comm": None,
-}
 LOOPBACK_GBPS = 40.0  # intra-node (a namespace's loopback); the host rate bounds it anyway
 
 
 def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     """bench_training.json (ROW_SCHEMA there) -> generic rows, one per modelled variant.
 
-    Compute comes from the same configuration's ``no_comm`` variant (the step with a local
-    tally instead of the exchange): its median fwd, bwd and opt phases, and its median rank's
+    Variants are strategy slugs, or the round-2 keys of older files (``strategies.resolve``);
+    each is validated against its strategy's runtime-model row. Compute comes from the same
+    configuration's ``dlion-local`` variant (``no_comm`` before; the step with a local tally
+    instead of the exchange): its median fwd, bwd and opt phases, and its median rank's
     step time, whose excess over the phases and the modelled jitter wait (zeroing gradients,
     the loop) is added to fwd. The link rate is the configuration's tbf rate;
     the measured shaper rate of bench_network (~0.96 of it) is applied when given.
@@ -126,7 +120,7 @@ def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     mean_step = {}
     for c in doc.get("raw", []):
         times = c.get("times_s_rank_rep_step_fwd_bwd_opt")
-        if c["variant"].startswith("dec_") and times:
+        if strategies.resolve(c["variant"]).family == "decentralized" and times:
             slowest = [max(rank[k][0] for rank in times) for k in range(len(times[0]))]
             mean_step[(c["n"], c["ranks_per_node"], c["rate_gbps"], c["variant"], c["batch"],
                        c["bucket_mb"])] = 1e3 * statistics.fmean(slowest)
@@ -134,9 +128,9 @@ def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     def key(r):
         return (r["n"], r["ranks_per_node"], r["rate_gbps"], r["batch"], r["jitter_ms"],
                 r["bucket_mb"], r["sweep"])
-    no_comm = {key(r): r for r in ok if r["variant"] == "no_comm"}
+    no_comm = {key(r): r for r in ok if strategies.resolve(r["variant"]).slug == "dlion-local"}
     for r in ok:
-        strategy = TRAINING_STRATEGY.get(r["variant"])
+        strategy = strategies.resolve(r["variant"]).row  # None: not modelled
         nc = no_comm.get(key(r)) or next(
             (x for k, x in no_comm.items() if k[:5] == key(r)[:5]), None)
         if strategy is None or nc is None:

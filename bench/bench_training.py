@@ -5,27 +5,31 @@ network of ``network.py`` (one namespace per node, tbf-shaped veths into a bridg
 traffic on the namespace's loopback), starts n rank processes (gloo, 1 thread each) and runs
 every variant side by side, one after the other, on the same processes:
 
-===================  =========================================================================
-``no_comm``          D-Lion with its exchange replaced by a local tally on a one-rank group:
-                     T_no_comm, the same step without any communication
-``ddp_fp32``         DDP, its default overlapped fp32 all-reduce, then Lion (local)
-``ddp_fp16``         DDP + ``fp16_compress_hook``, then Lion (local)
-``ddp_bf16``         DDP + a bf16 compress hook written here (torch's ``bf16_compress_hook``
-                     refuses non-NCCL groups: "requires CUDA 11+ and NCCL 2.10+"), then Lion
-``dlion``            ``DistributedLion(overlap=False)``: the whole exchange in ``step()``
-``dlion_overlap``    ``DistributedLion(overlap=True, bucket_mb=...)``
-``dlion_ddp_hook``   DDP + ``dk.register_ddp_comm_hook(ddp, opt)``
-``dlion_hier``       ``DistributedLion(hierarchy=L)`` (layouts with L > 1)
-``dlion_hier_overlap`` the same with ``overlap=True``
-``hier_fp32``        DDP + a hook written here: reduce-scatter in the node, all-reduce of the
-                     shard across nodes, all-gather in the node (layouts with L > 1), then Lion
-``dec_ring`` ...     ``dk.DecentralizedDataParallel`` with ``AccumAdamW(accum_steps=4)``,
-                     topologies ``ring``, ``one-peer-exp``, ``alternating-exp-ring``
-===================  =========================================================================
+Variants are strategies of ``dlion_kernels/strategies.py`` (``--variants``, ``--hier-variants``:
+slugs; the round-2 keys in brackets are accepted too), built on each rank by
+``dlion_kernels/build.py`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
+``bucket_mb``. By default:
 
-A variant the library does not provide yet (feature detection: ``overlap`` / ``hierarchy`` in
-``DistributedLion``'s signature, ``dk.register_ddp_comm_hook``, ``dk.DecentralizedDataParallel``)
-or that does not fit the layout is listed with ``status = "skipped"`` and the reason.
+======================================  ============================================================
+``dlion-local`` [no_comm]               D-Lion with its exchange replaced by a local tally on a
+                                        one-rank group: T_no_comm, the step without communication
+``lion-allreduce`` [ddp_fp32]           DDP, its default overlapped fp32 all-reduce, then Lion
+``lion-allreduce-fp16`` [ddp_fp16]      DDP + ``fp16_compress_hook``, then Lion
+``lion-allreduce-bf16`` [ddp_bf16]      DDP + a bf16 compress hook (torch's ``bf16_compress_hook``
+                                        refuses non-NCCL groups), then Lion
+``dlion-vote`` [dlion]                  ``DistributedLion(overlap=False)``: the exchange in step()
+``dlion-vote-overlap`` [dlion_overlap]  ``DistributedLion(overlap=True, bucket_mb=...)``
+``dlion-vote-ddp-hook``                 DDP + ``register_ddp_comm_hook(ddp, opt)``
+``dlion-vote-hier`` [dlion_hier]        ``DistributedLion(hierarchy=L)`` (layouts with L > 1)
+``dlion-vote-hier-overlap``             the same with ``overlap=True``
+``lion-allreduce-hier`` [hier_fp32]     DDP + a hook: reduce-scatter in the node, all-reduce of the
+                                        shard across nodes, all-gather in the node, then Lion
+``decentralized-<topology>-accum-adamw``  ``DecentralizedDataParallel`` + ``AccumAdamW``,
+  [dec_ring, ...]                       topologies ring, one-peer-exp, alternating-exp-ring
+======================================  ============================================================
+
+A variant that does not fit the layout (``Strategy.problem``) is listed with
+``status = "skipped"`` and the reason.
 
 The model: ``--depth`` x (Linear(width, width) + GELU), 24 x 1024 = 25.2M fp32 parameters by
 default, MSE on generated data (one fixed batch per rank, different per rank). One step: [optional
@@ -50,43 +54,37 @@ see ``ROW_SCHEMA`` below (also written into the JSON).
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
-import inspect
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import network  # noqa: E402
 
-LABELS = {
-    "no_comm": "no comm (D-Lion, local tally)",
-    "ddp_fp32": "DDP fp32 all-reduce",
-    "ddp_fp16": "DDP fp16_compress_hook",
-    "ddp_bf16": "DDP bf16 compress (bench hook)",
-    "dlion": "D-Lion overlap=False",
-    "dlion_overlap": "D-Lion overlap=True",
-    "dlion_ddp_hook": "D-Lion DDP hook",
-    "dlion_hier": "hier. D-Lion",
-    "dlion_hier_overlap": "hier. D-Lion overlap=True",
-    "hier_fp32": "hier. fp32 all-reduce (RS/AR/AG)",
-    "dec_ring": "decentralized ring + AccumAdamW",
-    "dec_one_peer_exp": "decentralized one-peer-exp + AccumAdamW",
-    "dec_alt_exp_ring": "decentralized alt-exp-ring + AccumAdamW",
-}
-VARIANTS = list(LABELS)
-TOPOLOGY = {"dec_ring": "ring", "dec_one_peer_exp": "one-peer-exp",
-            "dec_alt_exp_ring": "alternating-exp-ring"}
-BATCH_SWEEP_VARIANTS = ["no_comm", "ddp_fp32", "ddp_fp16", "ddp_bf16", "dlion", "dlion_overlap"]
-BUCKET_SWEEP_VARIANTS = ["ddp_fp32", "dlion_overlap", "dlion_ddp_hook"]
+from dlion_kernels import strategies  # noqa: E402
+
+WORKER = os.path.join(common.BENCH_DIR, "training_worker.py")  # one rank of a configuration
+
+VARIANTS = ["dlion-local", "lion-allreduce", "lion-allreduce-fp16", "lion-allreduce-bf16",
+            "dlion-vote", "dlion-vote-overlap", "dlion-vote-ddp-hook", "dlion-vote-hier",
+            "dlion-vote-hier-overlap", "lion-allreduce-hier", "decentralized-ring-accum-adamw",
+            "decentralized-one-peer-exp-accum-adamw",
+            "decentralized-alternating-exp-ring-accum-adamw"]
+HIER_VARIANTS = ["dlion-local", "lion-allreduce", "dlion-vote", "dlion-vote-overlap",
+                 "dlion-vote-hier", "dlion-vote-hier-overlap", "lion-allreduce-hier",
+                 "decentralized-alternating-exp-ring-accum-adamw"]
+NO_COMM, DLION, DDP_FP32 = "dlion-local", "dlion-vote", "lion-allreduce"  # the references
+BATCH_SWEEP_VARIANTS = [NO_COMM, DDP_FP32, "lion-allreduce-fp16", "lion-allreduce-bf16", DLION,
+                        "dlion-vote-overlap"]
+BUCKET_SWEEP_VARIANTS = [DDP_FP32, "dlion-vote-overlap", "dlion-vote-ddp-hook"]
+# an overlapped variant's hidden fraction is judged against the same exchange without overlap
+OVERLAP_REFERENCE = {"dlion-vote-overlap": DLION, "dlion-vote-ddp-hook": DLION,
+                     "dlion-vote-hier-overlap": "dlion-vote-hier"}
 
 ROW_SCHEMA = {
     "n": "ranks (world size)",
@@ -94,7 +92,7 @@ ROW_SCHEMA = {
     "ranks_per_node": "L, rank processes per namespace (intra-node traffic on its loopback)",
     "layout": "'flat' (L = 1) or 'NxL'",
     "rate_gbps": "tbf rate of each node's link, both directions, Gbit/s",
-    "variant": "key (see the module docstring); 'label' is its display name",
+    "variant": "strategy slug (dlion_kernels/strategies.py); 'label' is its display name",
     "sweep": "'main', 'batch' (batch-size sweep) or 'bucket' (bucket_mb sweep)",
     "status": "'ok' or 'skipped' ('skip_reason' says why; the timing fields are then null)",
     "params": "model parameters", "batch": "samples per rank per step",
@@ -107,51 +105,23 @@ ROW_SCHEMA = {
     "own_fwd_ms": "this variant's forward, median over reps and ranks",
     "own_bwd_ms": "this variant's backward (with the communication it waits for), median",
     "own_opt_ms": "this variant's opt.step() (with its communication), median",
-    "fwd_ms": "the same configuration's no_comm forward: compute without communication",
-    "bwd_ms": "the same configuration's no_comm backward",
-    "opt_ms": "the same configuration's no_comm opt.step() (local step, tally, apply)",
-    "no_comm_ms": "no_comm's step_ms_slowest_rank in the same configuration and batch",
+    "fwd_ms": "the same configuration's dlion-local forward: compute without communication",
+    "bwd_ms": "the same configuration's dlion-local backward",
+    "opt_ms": "the same configuration's dlion-local opt.step() (local step, tally, apply)",
+    "no_comm_ms": "dlion-local's step_ms_slowest_rank in the same configuration and batch",
     "vs_no_comm": "step_ms_slowest_rank / no_comm_ms",
-    "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_dlion - T_no_comm) "
-                       "(T_dlion_hier for dlion_hier_overlap)",
-    "ratio_vs_ddp_fp32": "DDP fp32's step_ms_slowest_rank / this one (> 1: faster than DDP)",
-    "bytes_per_rank": "bytes this rank's collectives send per step (StepStats or formula)",
-    "inter_node_bytes_per_rank": "of those, the bytes sent to other nodes",
-    "bytes_source": "'StepStats', 'formula' or null",
+    "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_ref - T_no_comm), T_ref the "
+                       "same exchange without overlap (dlion-vote, dlion-vote-hier)",
+    "ratio_vs_ddp_fp32": "lion-allreduce's step_ms_slowest_rank / this one (> 1: faster than "
+                         "DDP)",
+    "bytes_per_rank": "bytes this rank sends per step, mean over the timed steps (bytes_source)",
+    "inter_node_bytes_per_rank": "of those, the bytes sent to other nodes (counted or estimated)",
+    "bytes_source": "'StepStats', 'formula' (ring all-reduce), "
+                    "'DecentralizedDataParallel.bytes_sent'",
     "wire_bytes_per_rank": "measured: node veth tx bytes per step / L (inter-node, with headers)",
     "stats": "the StepStats fields of the last step, when the variant has them",
     "load_1min": "1-minute load average when the configuration started",
 }
-
-
-# ----------------------------------------------------------------------------- the library
-
-
-def availability(key: str, n: int, L: int) -> str | None:
-    """None if ``key`` can run at this (n, L), else the reason it is skipped."""
-    import dlion_kernels as dk
-
-    sig = inspect.signature(dk.DistributedLion).parameters
-    if key in ("dlion_overlap", "dlion_hier_overlap") and "overlap" not in sig:
-        return "DistributedLion has no overlap= yet (issue 7)"
-    if key == "dlion_ddp_hook" and not hasattr(dk, "register_ddp_comm_hook"):
-        return "dk.register_ddp_comm_hook not in the library yet (issue 7)"
-    if key.startswith(("dlion_hier", "hier_")):
-        if L == 1:
-            return "flat layout (L = 1): hierarchy needs ranks_per_node > 1"
-        if key.startswith("dlion_hier") and "hierarchy" not in sig:
-            return "DistributedLion has no hierarchy= yet (issue 8)"
-    if key.startswith("dec_"):
-        if not (hasattr(dk, "DecentralizedDataParallel") and hasattr(dk, "AccumAdamW")):
-            return "dk.DecentralizedDataParallel / AccumAdamW not in the library yet (issue 9)"
-        if key == "dec_ring" and n % 2:
-            return "ring needs an even n"
-        if key == "dec_one_peer_exp" and n & (n - 1):
-            return "one-peer-exp needs n a power of two"
-        nodes = n // L
-        if key == "dec_alt_exp_ring" and nodes & (nodes - 1):
-            return "alternating-exp-ring needs the node count a power of two"
-    return None
 
 
 def estimate_buckets(sizes_bytes: list[int], bucket_mb: float) -> int:
@@ -162,229 +132,6 @@ def estimate_buckets(sizes_bytes: list[int], bucket_mb: float) -> int:
         if cur >= cap:
             count, cur = count + 1, 0
     return count + (cur > 0)
-
-
-def engine_buckets(obj, depth=2):
-    """Number of buckets of a bucket engine reachable from ``obj`` (TEAM.md's Bucket: index,
-    params, offsets, blocks), or None."""
-    seen = set()
-
-    def walk(o, d):
-        if id(o) in seen or d < 0:
-            return None
-        seen.add(id(o))
-        for v in list(getattr(o, "__dict__", {}).values()):
-            if isinstance(v, (list, tuple)) and v and all(
-                    hasattr(b, "blocks") and hasattr(b, "offsets") for b in v):
-                return len(v)
-            if hasattr(v, "__dict__") and not isinstance(v, type) and d > 0:
-                got = walk(v, d - 1)
-                if got:
-                    return got
-        return None
-
-    return walk(obj, depth)
-
-
-# ----------------------------------------------------------------------------- worker
-
-
-def worker(cfg_path: str) -> None:
-    """One rank, inside its node's namespace (RANK etc. from the environment)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import dlion_kernels as dk
-
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    L = int(os.environ["LOCAL_WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    ifname = os.environ["GLOO_SOCKET_IFNAME"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}:{cfg['port']}",
-                            rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=cfg["timeout"]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    solo = [dist.new_group([r]) for r in range(n)][rank]  # every rank creates every group
-    if L > 1:
-        intra = [dist.new_group(list(range(s, s + L))) for s in range(0, n, L)][rank // L]
-        inter = [dist.new_group(list(range(j, n, L))) for j in range(L)][rank % L]
-    width, depth, lr = cfg["width"], cfg["depth"], 1e-4
-
-    def tx_bytes() -> int:
-        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
-            return int(f.read())
-
-    def bf16_hook(state, bucket):
-        buf = bucket.buffer()
-        low = buf.to(torch.bfloat16).div_(n)
-
-        def back(fut):
-            buf.copy_(fut.value()[0])
-            return buf
-
-        return dist.all_reduce(low, async_op=True).get_future().then(back)
-
-    # gloo's reduce-scatter Work has no future to chain on: run each bucket's three
-    # collectives on one thread (one, so buckets keep the same order on every rank)
-    hier_pool = ThreadPoolExecutor(max_workers=1) if L > 1 else None
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-    def hier_hook(state, bucket):
-        buf = bucket.buffer()
-        fut = torch.futures.Future()
-
-        def run():
-            try:
-                numel, pad = buf.numel(), (-buf.numel()) % L
-                flat = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
-                shard = flat.new_empty(flat.numel() // L)
-                scatter(shard, flat, group=intra)
-                dist.all_reduce(shard, group=inter)
-                shard.div_(n)
-                gather(flat, shard, group=intra)
-                if pad:
-                    buf.copy_(flat[:numel])
-                fut.set_result(buf)
-            except Exception as e:  # noqa: BLE001 - handed to DDP through the future
-                fut.set_exception(e)
-
-        hier_pool.submit(run)
-        return fut
-
-    def build(case):
-        """(model to call, optimizer or None, object holding stats, finish())."""
-        key, bucket_mb = case["variant"], case["bucket_mb"]
-        torch.manual_seed(0)  # identical initial parameters on every rank
-        layers = []
-        for _ in range(depth):
-            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-        model = torch.nn.Sequential(*layers)
-        params = list(model.parameters())
-        lion = lambda ps: dk.DistributedLion(ps, lr=lr, votes="ternary", group=solo)  # noqa: E731
-        if key == "no_comm":
-            return model, dk.DistributedLion(params, lr=lr, group=solo), None
-        if key.startswith("ddp_") or key == "hier_fp32":
-            ddp = DDP(model, bucket_cap_mb=bucket_mb)
-            if key == "ddp_fp16":
-                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            elif key == "ddp_bf16":
-                ddp.register_comm_hook(None, bf16_hook)
-            elif key == "hier_fp32":
-                ddp.register_comm_hook(None, hier_hook)
-            return ddp, lion(params), ddp
-        if key == "dlion":
-            return model, dk.DistributedLion(params, lr=lr), None
-        if key == "dlion_overlap":
-            opt = dk.DistributedLion(params, lr=lr, overlap=True, bucket_mb=bucket_mb)
-            return model, opt, opt
-        if key == "dlion_ddp_hook":
-            ddp = DDP(model, bucket_cap_mb=bucket_mb)
-            opt = dk.DistributedLion(ddp.parameters(), lr=lr)
-            dk.register_ddp_comm_hook(ddp, opt)
-            return ddp, opt, ddp
-        if key.startswith("dlion_hier"):
-            kw = {"overlap": True, "bucket_mb": bucket_mb} if key.endswith("overlap") else {}
-            opt = dk.DistributedLion(params, lr=lr, hierarchy=L, **kw)
-            return model, opt, opt
-        if key.startswith("dec_"):
-            ddp = dk.DecentralizedDataParallel(
-                model, optimizer_fn=lambda ps: dk.AccumAdamW(ps, lr=lr, accum_steps=4),
-                topology=TOPOLOGY[key], bucket_mb=bucket_mb)
-            return ddp, None, ddp
-        raise ValueError(f"unknown variant {key!r}")
-
-    # The first case of a launch runs twice and its first run is dropped. In a fresh process
-    # some steps of the first case ran 3-6x slower, on every rank at once (backward 500-2500 ms
-    # instead of 80-400), even after ~3 s of warm-up steps; later cases of the same launch,
-    # no_comm included, were steady.
-    results = []
-    for pos, case in enumerate(cfg["cases"][:1] + cfg["cases"]):
-        res = {"index": case["index"]}
-        if pos == 1:
-            results.clear()
-        try:
-            model, opt, holder = build(case)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            # raised alike on every rank before any collective of the variant
-            res["skip_reason"] = f"{type(e).__name__}: {e}"
-            results.append(res)
-            continue
-        gen = torch.Generator().manual_seed(1000 + rank)
-        x = torch.randn(case["batch"], width, generator=gen)
-        y = torch.randn(case["batch"], width, generator=gen)
-        jit = random.Random(7919 * rank + case["index"])
-        reps, warmup = cfg["reps"], cfg["warmup"]
-        times = []  # per rep: start, fwd, bwd, opt (s); the start becomes the cycle below
-        wire0 = 0
-        for i in range(warmup + reps):
-            if i == warmup:
-                dist.barrier()
-                wire0 = tx_bytes() if local_rank == 0 else 0
-            if i <= warmup:
-                dist.barrier()  # warm-up steps and the first timed one start together
-            t0 = time.perf_counter()
-            if case["jitter_ms"] > 0:
-                time.sleep(jit.uniform(0, case["jitter_ms"]) / 1e3)
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            if opt is not None:
-                opt.step()
-            t3 = time.perf_counter()
-            if i >= warmup:
-                times.append([t0, t1 - t0, t2 - t1, t3 - t2])
-        # The timed steps run back to back: a step's time is from its start to the next one's
-        # (the last one's: to the end of the outstanding gossip and a barrier). Per-step
-        # barriers would hide traffic that crosses the step boundary (decentralized gossip
-        # drains on the link while a barrier waits behind it).
-        if hasattr(holder, "synchronize"):
-            holder.synchronize()  # decentralized: finish the outstanding gossip
-        dist.barrier()
-        t_end = time.perf_counter()
-        starts = [t[0] for t in times] + [t_end]
-        for k, t in enumerate(times):
-            t[0] = starts[k + 1] - starts[k]
-        wire = (tx_bytes() - wire0) if local_rank == 0 else 0
-        # DDP variants step a local Lion on a one-rank group: its stats say 0 bytes, not DDP's
-        stats = (None if case["variant"].startswith("ddp_") or case["variant"] == "hier_fp32"
-                 else getattr(opt, "last_stats", None) or getattr(holder, "last_stats", None))
-        everyone = torch.empty(n * (reps * 4 + 1), dtype=torch.float64)
-        gather(everyone, torch.tensor(sum(times, []) + [float(wire)], dtype=torch.float64))
-        per_rank = everyone.view(n, reps * 4 + 1)
-        res["times"] = per_rank[:, :-1].reshape(n, reps, 4).tolist()
-        res["wire_bytes_total"] = float(per_rank[:, -1].sum())
-        if stats is not None:
-            import dataclasses
-
-            res["stats"] = (dataclasses.asdict(stats) if dataclasses.is_dataclass(stats)
-                            else dict(vars(stats)))
-        counted = engine_buckets(holder) if holder is not None else None
-        if counted is None and isinstance(holder, DDP):
-            try:
-                counted = int(holder._get_ddp_logging_data().get("num_buckets_reduced") or 0) \
-                    or None
-            except Exception:  # noqa: BLE001 - private API; the estimate is used instead
-                counted = None
-        res["buckets_counted"] = counted
-        res["params"] = sum(p.numel() for p in model.parameters())
-        results.append(res)
-        del model, opt, holder
-        gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(cfg["result"], "w") as f:
-            json.dump(results, f)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -403,31 +150,22 @@ def uptime() -> str:
         return f"load average {load_1min()}"
 
 
-def bytes_formula(key: str, n: int, L: int, d: int, stats: dict | None):
-    """(bytes per rank, inter-node bytes per rank, source)."""
-    if stats and "bytes_sent" in stats:
-        inter = next((stats[k] for k in ("inter_bytes_sent", "bytes_sent_inter",
-                                          "inter_node_bytes_sent") if k in stats), None)
-        if inter is None and n > 1:
-            # flat D-Lion, vote/binary: half the bytes in the all_to_all (direct: n - L of the
-            # n - 1 peers are on other nodes), half in gloo's all_gather (a ring in rank order:
-            # 1/L of it crosses). Matched the veth counters at 2x2 (2.76 MB of 4.72 MB).
-            inter = round(stats["bytes_sent"] / 2 * ((n - L) / (n - 1) + 1 / L))
-        return stats["bytes_sent"], inter, "StepStats"
-    N = n // L
-    ring = lambda m, width: round(2 * (m - 1) / m * width * d) if m > 1 else 0  # noqa: E731
-    if key in ("ddp_fp32", "ddp_fp16", "ddp_bf16"):
-        b = ring(n, 4 if key == "ddp_fp32" else 2)
+def inter_node_bytes(key: str, n: int, L: int, sent):
+    """Of the ``sent`` bytes per rank, those to other nodes, estimated where the strategy does
+    not count them itself (wire_bytes_per_rank says what really crossed); None if unknown."""
+    family = strategies.get(key).family
+    if sent is None or L == 1 or sent == 0:
+        return sent  # one rank per node: every peer is on another node
+    if family in ("dlion", "local"):
+        # flat D-Lion, vote/binary: half the bytes in the all_to_all (direct: n - L of the
+        # n - 1 peers are on other nodes), half in gloo's all_gather (a ring in rank order:
+        # 1/L of it crosses). Matched the veth counters at 2x2 (2.76 MB of 4.72 MB).
+        return round(sent / 2 * ((n - L) / (n - 1) + 1 / L))
+    if family == "allreduce":
         # a ring in rank order over N nodes x L ranks: N of its n edges cross nodes, so 1/L of
-        # the bytes on average (wire_bytes_per_rank says what really crossed)
-        return b, b / L, "formula"
-    if key == "hier_fp32":
-        intra = 2 * round((L - 1) / L * 4 * d)
-        inter = ring(N, 4 / L)
-        return intra + inter, inter, "formula"
-    if key in ("dec_ring", "dec_one_peer_exp"):
-        return ring(2, 4), (ring(2, 4) if L == 1 else None), "formula"
-    return None, None, None
+        # the bytes on average
+        return sent / L
+    return None
 
 
 def median(xs):
@@ -439,7 +177,8 @@ def summarize(case: dict, res: dict, n: int, L: int, rate: float, load: float,
     key = case["variant"]
     row = {"n": n, "nodes": n // L, "ranks_per_node": L,
            "layout": "flat" if L == 1 else f"{n // L}x{L}", "rate_gbps": rate,
-           "variant": key, "label": LABELS[key], "sweep": case["sweep"], "batch": case["batch"],
+           "variant": key, "label": strategies.get(key).label, "sweep": case["sweep"],
+           "batch": case["batch"],
            "bucket_mb": case["bucket_mb"], "jitter_ms": case["jitter_ms"], "params": d_params,
            "load_1min": load}
     reason = case.get("skip_reason") or (res or {}).get("skip_reason")
@@ -458,12 +197,14 @@ def summarize(case: dict, res: dict, n: int, L: int, rate: float, load: float,
         own_fwd_ms=phase(1), own_bwd_ms=phase(2), own_opt_ms=phase(3),
         wire_bytes_per_rank=res["wire_bytes_total"] / (n * reps),
         stats=res.get("stats"))
-    b, inter, src = bytes_formula(key, n, L, res["params"], res.get("stats"))
-    row.update(bytes_per_rank=b, inter_node_bytes_per_rank=inter, bytes_source=src)
+    inter = res["inter_node_bytes"]
+    if inter is None:
+        inter = inter_node_bytes(key, n, L, res["bytes"])
+    row.update(bytes_per_rank=res["bytes"], inter_node_bytes_per_rank=inter,
+               bytes_source=res["bytes_source"])
     if res.get("buckets_counted"):
         row.update(buckets=res["buckets_counted"], buckets_source="engine")
-    elif key.startswith(("ddp_", "dec_")) or key in ("hier_fp32", "dlion_overlap",
-                                                      "dlion_ddp_hook", "dlion_hier_overlap"):
+    elif strategies.get(key).bucketed:
         sizes = [4 * case["width"] * case["width"], 4 * case["width"]] * case["depth"]
         row.update(buckets=estimate_buckets(sizes, case["bucket_mb"]), buckets_source="estimate")
     return row
@@ -474,14 +215,14 @@ def derive(rows: list[dict]) -> None:
     def same(r, key):
         return next((x for x in rows if x["status"] == "ok" and x["variant"] == key and all(
             x[k] == r[k] for k in ("n", "ranks_per_node", "rate_gbps", "batch", "jitter_ms"))
-            and (x["bucket_mb"] == r["bucket_mb"] or key in ("no_comm", "dlion"))), None)
+            and (x["bucket_mb"] == r["bucket_mb"] or key in (NO_COMM, DLION))), None)
 
     for r in rows:
         if r["status"] != "ok":
             continue
-        nc, dl, ddp = same(r, "no_comm"), same(r, "dlion"), same(r, "ddp_fp32")
+        nc, ddp = same(r, NO_COMM), same(r, DDP_FP32)
         if ddp is None:  # the bucket sweep: compare with the default bucket size's DDP
-            ddp = next((x for x in rows if x["status"] == "ok" and x["variant"] == "ddp_fp32"
+            ddp = next((x for x in rows if x["status"] == "ok" and x["variant"] == DDP_FP32
                         and x["sweep"] == "main" and x["n"] == r["n"]
                         and x["ranks_per_node"] == r["ranks_per_node"]
                         and x["rate_gbps"] == r["rate_gbps"]), None)
@@ -491,10 +232,9 @@ def derive(rows: list[dict]) -> None:
                      vs_no_comm=r["step_ms_slowest_rank"] / nc["step_ms_slowest_rank"])
         if ddp:
             r["ratio_vs_ddp_fp32"] = ddp["step_ms_slowest_rank"] / r["step_ms_slowest_rank"]
-        if r["variant"] == "dlion_hier_overlap":
-            dl = same(r, "dlion_hier")  # hierarchical overlap against hierarchical without
-        if nc and dl and r["variant"] in ("dlion_overlap", "dlion_ddp_hook",
-                                          "dlion_hier_overlap"):
+        dl = same(r, OVERLAP_REFERENCE[r["variant"]]) if r["variant"] in OVERLAP_REFERENCE \
+            else None
+        if nc and dl:
             exposed_off = dl["step_ms_slowest_rank"] - nc["step_ms_slowest_rank"]
             if exposed_off > 0:
                 r["hidden_fraction"] = 1 - (r["step_ms_slowest_rank"]
@@ -540,7 +280,7 @@ def plan_cases(args, n: int, L: int, rate: float, variants: list[str]) -> list[d
                                    sweep="bucket") for v in BUCKET_SWEEP_VARIANTS
                               if v in variants]
     for c in cases:
-        c["skip_reason"] = availability(c["variant"], n, L)
+        c["skip_reason"] = strategies.get(c["variant"]).problem(n, L)
     return cases
 
 
@@ -569,8 +309,8 @@ def run_config(nodes, L, rate, args, tmp, timeout) -> tuple[list[dict], list[dic
             env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
                        + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                        **common.CACHING_MALLOC_ENV)
-            topo.launch(lambda r: [sys.executable, os.path.abspath(__file__), "--worker",
-                                   cfg_path], env, tmp, timeout, label=label)
+            topo.launch(lambda r: [sys.executable, WORKER, cfg_path], env, tmp, timeout,
+                        label=label)
             info = {"shaper": topo.shaper, "netem_error": topo.netem_error,
                     "subnet": topo.subnet}
             with open(cfg["result"]) as f:
@@ -603,10 +343,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="2x1,4x1,8x1,2x2,4x2,2x4",
                     help="NODESxRANKS_PER_NODE list; 4x1 = 4 namespaces of 1 rank (flat n = 4)")
     ap.add_argument("--rates-gbit", type=float, nargs="+", default=[1.0, 10.0])
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS),
-                    help="variants for flat layouts (L = 1)")
-    ap.add_argument("--hier-variants", default="no_comm,ddp_fp32,dlion,dlion_overlap,"
-                    "dlion_hier,dlion_hier_overlap,hier_fp32,dec_alt_exp_ring",
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="variants for flat layouts (L = 1): strategy slugs, comma separated")
+    ap.add_argument("--hier-variants", default=",".join(HIER_VARIANTS),
                     help="variants for layouts with L > 1")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=24)
@@ -628,24 +367,22 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=2400.0,
                     help="configurations not started by then are skipped and listed")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    if args.worker:
-        worker(args.worker)
-        return 0
     if args.smoke:
         args.layouts, args.rates_gbit = "2x1,1x2", [1.0]
         args.width, args.depth, args.batch, args.batches = 256, 4, 8, "8,16"
         args.sweep_n, args.bucket_mbs, args.bucket_mb = 2, "0.25", 1.0
         args.warmup, args.reps = 2, 2
-        args.hier_variants = "no_comm,ddp_fp32,dlion,hier_fp32,dlion_hier"
+        args.hier_variants = "dlion-local,lion-allreduce,dlion-vote,lion-allreduce-hier," \
+            "dlion-vote-hier"
     layouts = parse_layouts(args.layouts)
-    args.variants = [v for v in args.variants.split(",") if v]
-    args.hier_variants = [v for v in args.hier_variants.split(",") if v]
-    for v in args.variants + args.hier_variants:
-        if v not in LABELS:
-            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    try:  # slugs, or the round-2 keys recorded commands use
+        args.variants = [strategies.resolve(v).slug for v in args.variants.split(",") if v]
+        args.hier_variants = [strategies.resolve(v).slug for v in args.hier_variants.split(",")
+                              if v]
+    except ValueError as e:
+        raise SystemExit(f"--variants: {e}") from None
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.bucket_mbs = [float(b) for b in args.bucket_mbs.split(",") if b]
 
@@ -682,7 +419,7 @@ def main(argv=None) -> int:
             "args": vars(args)})
         notes = [
             f"{os.cpu_count()} cores shared by all n ranks (1 thread each): compute contends; "
-            "compare every variant with no_comm of the same configuration, not across n",
+            f"compare every variant with {NO_COMM} of the same configuration, not across n",
             "ranks run with glibc malloc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
             "MALLOC_TRIM_THRESHOLD_ = 1 GiB), as torch's caching allocator does on a GPU: "
             "fresh gradients would otherwise page-fault every step",
@@ -690,8 +427,8 @@ def main(argv=None) -> int:
             "lasts from its start to the next one's)",
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
             "veth",
-            "torch's bf16_compress_hook refuses gloo (needs NCCL); ddp_bf16 is the same hook "
-            "written here (cast to bf16, all_reduce, cast back)",
+            "torch's bf16_compress_hook refuses gloo (needs NCCL); lion-allreduce-bf16 runs the "
+            "same hook from dlion_kernels/build.py (cast to bf16, all_reduce, cast back)",
             f"uptime before: {up_before}; after: {up_now}",
         ]
         if not final:
@@ -765,7 +502,7 @@ def markdown(rows, fits, meta, notes, skipped, wall, out_dir) -> str:
              and any(x["sweep"] == "batch" and x["n"] == r["n"] for x in rows)]
     if batch:
         md.append(common.markdown_table(sorted(batch, key=lambda r: (
-            r["rate_gbps"], r["batch"], VARIANTS.index(r["variant"]))), [
+            r["rate_gbps"], r["batch"], list(strategies.STRATEGIES).index(r["variant"]))), [
             ("rate_gbps", "Gbit/s"), ("n", "n"), ("batch", "batch"), ("label", "variant"),
             ("step_ms_slowest_rank", "step ms", ".0f"), ("vs_no_comm", "x no comm", ".2f"),
             ("ratio_vs_ddp_fp32", "DDP fp32 / this", ".2f")], title="Batch-size sweep"))
@@ -810,15 +547,15 @@ def plot(rows: list[dict], out_dir: str, d: int) -> str | None:
         ns = sorted({r["n"] for r in here if r["sweep"] == "batch"}) or sorted(
             {r["n"] for r in here})
         here = [r for r in here if r["n"] == ns[0]]
-        ref_key = "dlion_overlap" if any(r["variant"] == "dlion_overlap" for r in here) \
-            else "dlion"
+        ref_key = "dlion-vote-overlap" if any(r["variant"] == "dlion-vote-overlap"
+                                              for r in here) else DLION
         ref = {r["batch"]: r["step_ms_slowest_rank"] for r in here if r["variant"] == ref_key}
-        for key in ("ddp_fp32", "ddp_fp16", "ddp_bf16", "no_comm"):
+        for key in (DDP_FP32, "lion-allreduce-fp16", "lion-allreduce-bf16", NO_COMM):
             pts = sorted((r["batch"], r["step_ms_slowest_rank"] / ref[r["batch"]])
                          for r in here if r["variant"] == key and r["batch"] in ref)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        label=f"{LABELS[key]} / {LABELS[ref_key]}")
+                        label=f"{strategies.get(key).label} / {strategies.get(ref_key).label}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -44,10 +44,10 @@ SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 def run_ranks(n: int, fn, *args, timeout: float | None, threads: int = 1) -> list:
     """``fn(rank, n, *args)`` on n spawned gloo processes of this host; returns the per-rank
-    results. The package's launcher (``dlion_kernels.demo.common.spawn``: file store, every rank
+    results. The package's launcher (``dlion_kernels.launch.spawn``: file store, every rank
     killed and named on a failure or after ``timeout`` s, ``os._exit(0)`` after
     ``destroy_process_group``), so the benchmarks and the tests start ranks one way."""
-    from dlion_kernels.demo.common import spawn
+    from dlion_kernels.launch import spawn
 
     return spawn(n, fn, *args, timeout=timeout, threads=threads)
 

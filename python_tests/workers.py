@@ -2,7 +2,7 @@
 
 import torch.distributed as dist
 
-from dlion_kernels.demo.common import spawn
+from dlion_kernels.launch import spawn
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
                 "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv")
@@ -10,7 +10,7 @@ _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_singl
 
 def run_workers(n: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, n, *args) on n spawned gloo processes, one thread each; returns the list of
-    per-rank results (``dlion_kernels.demo.common.spawn``, with a bound for tests)."""
+    per-rank results (``dlion_kernels.launch.spawn``, with a bound for tests)."""
     return spawn(n, fn, *args, timeout=timeout)
 
 

@@ -1,3 +1,3 @@
-from .digits import main  # dispatches --task chars to chars.main
+from .cli import main
 
 main()

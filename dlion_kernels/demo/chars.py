@@ -20,17 +20,21 @@ in about 4 minutes on an idle 2-core machine: one worker's iteration costs about
 (1 thread), so 4 workers on 2 cores take about 60-70 ms per iteration with the exchange, about
 8 s per run, 24 runs. Larger sizes train further but take longer.
 
-Strategies (rows; ``--strategies`` picks some), each from the same initial weights per seed:
+Strategies (rows; ``--strategy`` picks any of ``dlion_kernels/strategies.py``, or ``auto``),
+each from the same initial weights per seed; by default:
 
-- AdamW + all-reduce: fp32 gradient all-reduce, then AdamW (lr ``--adamw-lr``)
-- D-Lion vote, D-Lion average: ``DistributedLion`` (lr ``--lion-lr``)
-- D-Lion vote, overlap: the exchange overlapped with backward (bit-identical to D-Lion vote)
-- D-Lion vote, hierarchy L: exact gradient mean inside nodes of L = ``--ranks-per-node``
-  workers, the nodes vote
-- Decentralized <topology> accum-adamw: ``DecentralizedDataParallel`` with ``AccumAdamW``
+- adamw-allreduce: fp32 gradient all-reduce (DDP), then AdamW (lr ``--adamw-lr``)
+- dlion-vote, dlion-average: ``DistributedLion`` (lr ``--lion-lr``; seed 0, the default sizes:
+  3e-3 reached validation loss 2.28, 1e-3 2.49; AdamW 2.30)
+- dlion-vote-overlap: the exchange overlapped with backward (bit-identical to dlion-vote)
+- dlion-vote-hier: exact gradient mean inside nodes of L = ``--ranks-per-node`` workers, the
+  nodes vote
+- decentralized-<topology>-accum-adamw: ``DecentralizedDataParallel`` with ``AccumAdamW``
   (K = the number of workers, the AdamW learning rate, as the paper's recipe) on the ring,
   one-peer-exp and alternating-exp-ring (nodes of ``--ranks-per-node``) topologies; evaluated on
   the parameters averaged over the ranks (``global_average()``)
+
+DDP's buckets, D-Lion's overlap buckets and the gossip buckets are all 0.125 MB.
 
 The table gives per strategy the validation loss (mean and sample standard deviation over the
 seeds), the bytes each rank sent per step (the mean over steps: alternating-exp-ring's groups
@@ -52,32 +56,44 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import TASKS, Hyper, Strategy, launch, parse_name, same_on_all_ranks, task_of, why_not
+from dlion_kernels import strategies
+from dlion_kernels.build import build
+
+from .common import (
+    AUTO,
+    add_common_args,
+    allreduce_fp32_bytes,
+    check_common_args,
+    choose_auto,
+    launch,
+    ranks_per_node,
+    same_on_all_ranks,
+    settings,
+    strategy_names,
+)
 
 STDLIB_FILES = ("argparse.py", "textwrap.py", "functools.py", "contextlib.py", "heapq.py",
                 "fractions.py", "shlex.py", "string.py", "pprint.py", "calendar.py")
 VOCAB = 98  # ASCII 32..126 (95), "\n", "\t", unknown
 UNKNOWN = VOCAB - 1
-STRATEGIES = (
-    "AdamW + all-reduce",
-    "D-Lion vote",
-    "D-Lion average",
-    "D-Lion vote, overlap",
-    "D-Lion vote, hierarchy {L}",
-    "Decentralized ring accum-adamw",
-    "Decentralized one-peer-exp accum-adamw",
-    "Decentralized alternating-exp-ring accum-adamw",
+DEFAULT_STRATEGIES = (
+    "adamw-allreduce",
+    "dlion-vote",
+    "dlion-average",
+    "dlion-vote-overlap",
+    "dlion-vote-hier",
+    "decentralized-ring-accum-adamw",
+    "decentralized-one-peer-exp-accum-adamw",
+    "decentralized-alternating-exp-ring-accum-adamw",
 )
+BUCKET_MB = 0.125
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo --task chars",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=TASKS, default="chars",
-                    help="chars: this task; digits: the MLP demo")
-    ap.add_argument("--workers", type=int, default=4, help="processes to start (ignored under "
-                    "torchrun, which starts them)")
+    add_common_args(ap, "chars", DEFAULT_STRATEGIES, lion_lr=3e-3, adamw_lr=3e-3)
     ap.add_argument("--iters", type=int, default=120, help="training iterations per run")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per worker per iteration")
     ap.add_argument("--context", type=int, default=64)
@@ -85,56 +101,18 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--lion-lr", type=float, default=3e-3, help="D-Lion (seed 0, the "
-                    "default sizes: 3e-3 reached validation loss 2.28, 1e-3 2.49; AdamW 2.30)")
-    ap.add_argument("--adamw-lr", type=float, default=3e-3)
-    ap.add_argument("--weight-decay", type=float, default=1e-2)
-    ap.add_argument("--backend", default=None, help="dlion_kernels backend (default: auto)")
-    ap.add_argument("--accum-steps", type=int, default=None,
-                    help="K of AccumAdamW (default: the number of workers)")
-    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
-                    help="node size of hierarchical D-Lion and alternating-exp-ring (default: "
-                    "LOCAL_WORLD_SIZE if it makes two or more nodes, else 2)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--strategies", nargs="+", metavar="NAME", default=None,
-                    help="rows to run (default: all); names as in the table, e.g. "
-                    "'D-Lion vote' 'Decentralized ring accum-adamw'")
     ap.add_argument("--json", metavar="FILE", help="also write the per-seed rows and the table "
                     "rows as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     args = ap.parse_args(argv)
-    for flag in ("workers", "iters", "batch_size", "context", "d_model", "heads", "layers",
+    check_common_args(ap, args)
+    for flag in ("iters", "batch_size", "context", "d_model", "heads", "layers",
                  "eval_windows"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.d_model % args.heads:
         ap.error("--d-model must be a multiple of --heads")
-    if args.ranks_per_node is not None and args.ranks_per_node < 1:
-        ap.error("--ranks-per-node must be >= 1")
-    for name in args.strategies or ():
-        try:
-            parse_name(name)
-        except ValueError as exc:
-            ap.error(f"--strategies: {exc}")
     return args
-
-
-def ranks_per_node(args, n: int) -> int:
-    if args.ranks_per_node is not None:
-        return args.ranks_per_node
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return local if local >= 1 and n % local == 0 and n // local >= 2 else 2
-
-
-def strategy_names(args, n: int) -> tuple[list[str], list[tuple[str, str]]]:
-    """(the rows that can run on n workers, [(row, why not)] for the others)."""
-    L = ranks_per_node(args, n)
-    names = args.strategies or [s.format(L=L) for s in STRATEGIES]
-    runnable, skipped = [], []
-    for name in names:
-        reason = why_not(name, n, L)
-        (skipped.append((name, reason)) if reason else runnable.append(name))
-    return runnable, skipped
 
 
 # ----------------------------------------------------------------------------- data
@@ -243,10 +221,7 @@ def val_loss(model, val, starts, context, device) -> float:
 def train_one(name, args, seed, rank, n, device, data):
     train, val = data
     model = make_model(args, seed).to(device)
-    hyper = Hyper(lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
-                  backend=args.backend, accum_steps=args.accum_steps, bucket_mb=0.125,
-                  ranks_per_node=ranks_per_node(args, n))
-    strategy = Strategy(name, model, n, hyper)
+    built = build(name, model, settings(args, n, BUCKET_MB))
     evals = val_starts(len(val), args.eval_windows, args.context)
     initial = val_loss(model, val, evals, args.context, device)
     recent = torch.zeros(2, device=device)  # training loss of the last 10% of the iterations
@@ -254,44 +229,52 @@ def train_one(name, args, seed, rank, n, device, data):
     for it in range(args.iters):
         x, y = batch(train, train_starts(len(train), seed, it, rank, n, args.batch_size,
                                          args.context), args.context)
-        loss = _loss(strategy.forward(x.to(device)), y.to(device))
-        strategy.step(loss)
+        built.zero_grad()
+        loss = _loss(built(x.to(device)), y.to(device))
+        loss.backward()
+        built.step()
         if it >= args.iters - max(1, args.iters // 10):
             recent += torch.stack([loss.detach(), torch.ones((), device=device)])
     wall = time.perf_counter() - start
     # Before the last mixing: decentralized ranks hold different parameters, the others not.
     differ = not same_on_all_ranks(model, n)
     tic = time.perf_counter()
-    strategy.finish()
+    built.finish()
     wall += time.perf_counter() - tic
     if n > 1:
         dist.all_reduce(recent)  # logging only, not part of the bytes
     own = torch.tensor(val_loss(model, val, evals, args.context, device), device=device)
     if n > 1:
         dist.all_reduce(own)  # the mean over ranks of each rank's own loss
-    with strategy.evaluation():  # decentralized: the parameters averaged over all ranks
+    with built.evaluation():  # decentralized: the parameters averaged over all ranks
         loss_val = val_loss(model, val, evals, args.context, device)
         eval_in_sync = same_on_all_ranks(model, n)
     wall_t = torch.tensor([wall], dtype=torch.float64)
     if n > 1:  # the slowest rank's time
         dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
     return {
-        "strategy": name, "seed": seed, "val_loss": loss_val, "initial_val_loss": initial,
+        "strategy": name, "label": strategies.get(name).label, "seed": seed,
+        "val_loss": loss_val, "initial_val_loss": initial,
         "own_val_loss_mean": own.item() / n, "train_loss_end": (recent[0] / recent[1]).item(),
-        "bytes_per_step": strategy.bytes_per_step, "steps": strategy.steps,
-        "inter_node_bytes_per_step": strategy.inter_node_bytes, "wall_s": wall_t.item(),
+        "bytes_per_step": built.bytes_per_step, "steps": built.steps,
+        "inter_node_bytes_per_step": built.inter_node_bytes, "wall_s": wall_t.item(),
         "ranks_differ": differ, "eval_in_sync": eval_in_sync,
         "numel": sum(p.numel() for p in model.parameters()), "workers": n,
+        "ranks_per_node": ranks_per_node(args, n),
     }
 
 
 def run(rank, n, args, device):
     """Every strategy and seed on one rank (process group already set up); rank 0 gets rows."""
     data = load_text()
-    names, skipped = strategy_names(args, n)
-    if rank == 0:
-        for name, reason in skipped:
-            print(f"skipping {name}: {reason}", flush=True)
+    if args.strategy == [AUTO]:
+        numel = sum(p.numel() for p in make_model(args, args.seeds[0]).parameters())
+        names = [choose_auto(args, n, rank, numel, BUCKET_MB)]
+    else:
+        names, skipped = strategy_names(args, n)
+        if rank == 0:
+            for name, reason in skipped:
+                print(f"skipping {name}: {reason}", flush=True)
     rows = []
     for seed in args.seeds:
         for name in names:
@@ -317,7 +300,7 @@ def summarize(rows) -> list[dict]:
     for name, runs in out.items():
         losses = [r["val_loss"] for r in runs]
         table.append({
-            "strategy": name, "seeds": [r["seed"] for r in runs],
+            "strategy": name, "label": runs[0]["label"], "seeds": [r["seed"] for r in runs],
             "val_loss_mean": statistics.fmean(losses),
             "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
             "bytes_per_step": round(statistics.fmean(r["bytes_per_step"] for r in runs)),
@@ -330,8 +313,7 @@ def summarize(rows) -> list[dict]:
 
 def format_table(table, rows) -> str:
     n, seeds = rows[0]["workers"], len(table[0]["seeds"])
-    fp32 = next((t["bytes_per_step"] for t in table if t["strategy"] == "AdamW + all-reduce"),
-                round(2 * (n - 1) / n * 4 * rows[0]["numel"]))
+    fp32 = allreduce_fp32_bytes(rows[0]["numel"], n)
     lines = [
         (f"| strategy ({n} workers, {rows[0]['steps']} iterations) | validation loss (mean ± std "
         f"over {seeds} seed{'s' if seeds > 1 else ''}) | bytes sent / rank / step | vs fp32 "
@@ -341,10 +323,12 @@ def format_table(table, rows) -> str:
     for t in table:
         b = t["bytes_per_step"]
         ratio = "1" if b == fp32 else (f"1/{fp32 / b:.1f}" if b else "-")
-        lines.append(f"| {t['strategy']} | {t['val_loss_mean']:.4f} ± {t['val_loss_std']:.4f} | "
+        lines.append(f"| {t['label']} | {t['val_loss_mean']:.4f} ± {t['val_loss_std']:.4f} | "
                      f"{b:,} | {ratio} | {t['wall_s']:.1f} |")
     initial = statistics.fmean(r["initial_val_loss"] for r in rows)
     lines.append("")
+    if any(strategies.get(t["strategy"]).nodes for t in table):
+        lines.append(f"Nodes of {rows[0]['ranks_per_node']} workers.")
     lines.append(f"{rows[0]['numel']:,} parameters; validation loss at initialization "
                  f"{initial:.4f} (uniform over the {VOCAB} characters: {math.log(VOCAB):.4f}).")
     return "\n".join(lines)
@@ -356,11 +340,11 @@ def report(rows, args, total_s) -> list[dict]:
     print(format_table(table, rows))
     for t in table:
         if t["inter_node_bytes_per_step"] is not None:
-            print(f"{t['strategy']}: of which between nodes {t['inter_node_bytes_per_step']:,} "
+            print(f"{t['label']}: of which between nodes {t['inter_node_bytes_per_step']:,} "
                   "bytes / rank / step")
     print(f"total time {total_s:.0f} s")
     bad = [t["strategy"] for t in table if not t["eval_in_sync"]
-           or (t["ranks_differ"] and parse_name(t["strategy"])["kind"] != "decentralized")]
+           or (t["ranks_differ"] and strategies.get(t["strategy"]).family != "decentralized")]
     if bad:
         print(f"WARNING: ranks ended with different parameters: {bad}", file=sys.stderr)
     if args.json:
@@ -371,17 +355,9 @@ def report(rows, args, total_s) -> list[dict]:
 
 
 def main(argv=None):
-    if task_of(argv) not in (None, "chars"):
-        from . import digits
-
-        return digits.main(argv)
     args = parse_args(argv)
     start = time.perf_counter()
     rows = launch(run, args.workers, args)
-    if rows is not None:  # rank 0 (every rank but 0 returns None under torchrun)
+    if rows:  # rank 0 (every rank but 0 returns None under torchrun)
         report(rows, args, time.perf_counter() - start)
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -29,6 +29,10 @@ from __future__ import annotations
 import math
 
 BLOCK = 32  # elements per packed int32 word
+WORD_BYTES = 4  # bytes of one packed int32 word
+# int32 words of the per-rank step header (non-finite flag, step counter) that lead every rank's
+# all_to_all chunk; ``exchange/header.py`` builds and reads them.
+HEADER_WORDS = 2
 # The most vote vectors one tally counts, on every backend (16-bit-plane counters of the ternary
 # biased count q <= 2n; csrc/common.h kMaxVoters). Above it the stages raise ValueError.
 MAX_VOTERS = 32767

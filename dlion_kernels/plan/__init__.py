@@ -5,7 +5,6 @@
 """
 
 from .model import (
-    TOPOLOGIES,
     Calibration,
     Row,
     best,
@@ -15,11 +14,10 @@ from .model import (
     inputs_from_json,
     parse_size,
     predict,
-    topology_problem,
+    rank_strategies,
 )
 
 __all__ = [
-    "TOPOLOGIES",
     "Calibration",
     "Row",
     "best",
@@ -29,5 +27,5 @@ __all__ = [
     "inputs_from_json",
     "parse_size",
     "predict",
-    "topology_problem",
+    "rank_strategies",
 ]

@@ -15,16 +15,8 @@ import argparse
 import json
 import sys
 
-from .model import (
-    ALGORITHMS,
-    JITTER_DISTS,
-    MODES,
-    OPT_BYTES_PER_PARAM,
-    TOPOLOGIES,
-    best,
-    parse_size,
-    predict,
-)
+from ..topologies import TOPOLOGIES
+from .model import ALGORITHMS, JITTER_DISTS, MODES, OPT_BYTES_PER_PARAM, best, parse_size, predict
 
 COLUMNS = [  # (header, row field, scale, format)
     ("strategy", "strategy", None, "{}"),

@@ -3,7 +3,7 @@
 
 Both need predict()'s inputs for *this* job, and every rank must reach the same decision. So
 rank 0 gets the inputs once and broadcasts them; every rank then calls the same pure function
-of the same numbers (``choose_hierarchy``, ``choose_strategy``).
+of the same numbers (``choose_hierarchy``, ``rank_strategies``).
 
 Where the inputs come from:
 
@@ -69,12 +69,14 @@ def hierarchy(params: int, *, mode: str, overlap: bool, group=None) -> int:
     return choose_hierarchy(n, L, params, mode=mode, overlap=overlap, **inputs)
 
 
-def strategy(params: int, allowed, *, ranks_per_node: int | None = None, **overrides):
-    """The fastest ``Row`` among ``allowed`` strategy names on this job (``--strategy auto``).
-    ``overrides`` replace calibrated inputs (e.g. ``bucket_mb``)."""
-    from .model import choose_strategy
+def strategies(params: int, allowed=None, *, ranks_per_node: int | None = None, **overrides):
+    """``rank_strategies`` on this job (the demo's ``--strategy auto``): (slug, predicted row) of
+    the ``allowed`` strategies (slugs; None: every one the model predicts) that can run here,
+    fastest first, the same on every rank. ``overrides`` replace calibrated inputs (e.g.
+    ``bucket_mb``). Collective, as ``job_inputs``."""
+    from .model import rank_strategies
 
     inputs = job_inputs(params, ranks_per_node=ranks_per_node)
     inputs.update(overrides)
     n, L = inputs.pop("ranks"), inputs.pop("ranks_per_node")
-    return choose_strategy(params, n, L, allowed=list(allowed), **inputs)
+    return rank_strategies(params, n, L, allowed=allowed, **inputs)

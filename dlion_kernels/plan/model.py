@@ -38,7 +38,7 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``allreduce-fp32`` / ``allreduce-bf16``: DDP, one all-reduce per bucket started when the bucket
   is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
-  aggregate, apply; nothing overlapped (SPEC §2 bytes, one int32 header word per message for the
+  aggregate, apply; nothing overlapped (SPEC §2 bytes, plus the HEADER_WORDS int32 words of the
   non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
@@ -50,6 +50,9 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
   a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
   topology's schedule is averaged over its period.
+
+Rows are named after the exchange they model; ``dlion_kernels/strategies.py`` names the strategy
+each one predicts (``Strategy.row``), and ``rank_strategies`` predicts named strategies.
 """
 
 from __future__ import annotations
@@ -59,15 +62,23 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+from ..kernels.layout import (
+    BLOCK,
+    HEADER_WORDS,
+    WORD_BYTES,
+    aggregate_planes,
+    shard_blocks,
+    vote_planes,
+)
+from ..strategies import STRATEGIES
+from ..strategies import get as get_strategy
+from ..topologies import TOPOLOGIES, period, problem, schedule
+
 MODES = ("vote", "average")
 JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-WORD = 4  # bytes of a packed int32 word
-BLOCK = 32  # elements per packed word (layout.py)
-HEADER_WORDS = 2  # [non-finite flag, step] in every all_to_all chunk (exchange/pipeline.py)
 # Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
 # 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
 LOCAL_FRACTION = 12.125 / 20.5
@@ -315,20 +326,15 @@ def expected_max(k: int, jitter_ms: float, dist: str = "uniform") -> float:
 # ----------------------------------------------------------------------------- byte counts
 
 
-def aggregate_planes(mode: str, n: int) -> int:
-    """Bit planes of the packed aggregate, binary votes (layout.py)."""
-    return 1 if mode == "vote" else n.bit_length()
-
-
 def dlion_exchange(cl: Cluster, g: Group, numel: float, tensors: int, mode: str) -> Cost:
     """The two-phase exchange of ``numel`` elements among the p voters of ``g``: every rank
     owns ceil(blocks / p) blocks; all_to_all_single of its votes, all_gather of its tally."""
     if g.p <= 1:
         return Cost(algorithm="none")
     blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)  # <= 31 padding bits per tensor
-    shard = max(1, math.ceil(blocks / g.p))
-    up = (shard * 1 + HEADER_WORDS) * WORD
-    down = shard * aggregate_planes(mode, g.p) * WORD
+    shard = shard_blocks(blocks, g.p)
+    up = (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES
+    down = shard * aggregate_planes(mode, "binary", g.p) * WORD_BYTES
     return all_to_all(cl, g, up) + all_gather(cl, g, down)
 
 
@@ -441,8 +447,8 @@ def _dlion_row(cl, w, mode, overlap, L):
             if w.hier_gather == "params":  # the updated parameter shards, storage dtype
                 c = c + all_gather(cl, intra_g, s / L * w.param_bytes)
             else:  # the packed aggregate shards; every rank applies all of it
-                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, voters)
-                c = c + all_gather(cl, intra_g, words * WORD)
+                words = math.ceil(s / BLOCK / L) * aggregate_planes(mode, "binary", voters)
+                c = c + all_gather(cl, intra_g, words * WORD_BYTES)
         return c
 
     memo = {s: bucket_cost(s) for s, _ in _counts(sizes)}
@@ -474,53 +480,6 @@ def _dlion_row(cl, w, mode, overlap, L):
 
 
 # ----------------------------------------------------------------------------- topologies
-
-
-def topology_problem(topology: str, n: int, L: int) -> str | None:
-    """Why ``topology`` cannot run on n ranks in nodes of L, or None."""
-    if topology not in TOPOLOGIES:
-        return f"unknown topology {topology!r}; allowed: {', '.join(TOPOLOGIES)}"
-    if n == 1:
-        return None  # the one rank is its own group: no communication
-    if topology == "ring" and n % 2:
-        return f"topology 'ring' needs an even number of ranks, got {n}"
-    if topology == "one-peer-exp" and n & (n - 1):
-        return f"topology 'one-peer-exp' needs a power-of-two number of ranks, got {n}"
-    if topology == "alternating-exp-ring":
-        nodes = n // L
-        if nodes < 2 or nodes & (nodes - 1):
-            return (f"topology 'alternating-exp-ring' needs a power-of-two number >= 2 of "
-                    f"nodes, got {nodes} nodes of {L} ranks")
-    return None
-
-
-def schedule(topology: str, n: int, L: int) -> list[list[list[int]]]:
-    """The groups of every step of one period of the topology (SPEC §7)."""
-    if n == 1:
-        return [[[0]]]
-    if topology == "complete":
-        return [[list(range(n))]]
-    if topology == "ring":
-        even = [[2 * k, 2 * k + 1] for k in range(n // 2)]
-        odd = [sorted([2 * k + 1, (2 * k + 2) % n]) for k in range(n // 2)]
-        return [even, odd] if n > 2 else [even]
-    if topology == "one-peer-exp":
-        return [[[j, j ^ (1 << b)] for j in range(n) if j < j ^ (1 << b)]
-                for b in range(n.bit_length() - 1)]
-    nodes = n // L  # alternating-exp-ring
-    members = [list(range(a * L, (a + 1) * L)) for a in range(nodes)]
-    steps = []
-    for b in range(nodes.bit_length() - 1):
-        pairs = [(a, a ^ (1 << b)) for a in range(nodes) if a < a ^ (1 << b)]
-        for phase in range(2):
-            groups = []
-            for j, (a, c) in enumerate(pairs):
-                if (j + phase) % 2 == 0:
-                    groups.append(members[a] + members[c])
-                else:
-                    groups += [members[a], members[c]]
-            steps.append(groups)
-    return steps
 
 
 def _gossip_step(cl: Cluster, groups, nbytes: float) -> Cost:
@@ -556,7 +515,7 @@ def _gossip_wait(cl: Cluster, groups, w: _Work) -> float:
 
 def _decentralized_row(cl, w, topology, gossip_bytes):
     sizes = _bucket_sizes(w.d, w.bucket_elems)
-    steps = schedule(topology, cl.n, cl.L)
+    steps = [schedule(topology, cl.n, cl.L, t) for t in range(period(topology, cl.n, cl.L))]
     total, wait = Cost(), 0.0
     for groups in steps:
         for s, count in _counts(sizes):
@@ -640,13 +599,13 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     param_bytes = _dtype_bytes(param_dtype, "param_dtype")
     gossip_bytes = _dtype_bytes(gossip_dtype, "gossip_dtype")
     if topologies is None:
-        topos = [t for t in TOPOLOGIES if topology_problem(t, n, L) is None]
+        topos = [t for t in TOPOLOGIES if problem(t, n, L) is None]
     else:
         topos = [topologies] if isinstance(topologies, str) else list(topologies)
         for t in topos:
-            problem = topology_problem(t, n, L)
-            if problem:
-                raise ValueError(f"topologies: {problem}")
+            reason = problem(t, n, L)
+            if reason:
+                raise ValueError(f"topologies: {reason}")
 
     if cpu_gbs is not None:
         cpu_gbs = _number(cpu_gbs, "cpu_gbs", positive=True)
@@ -692,12 +651,42 @@ def best(rows: list[Row]) -> str:
 # ----------------------------------------------------------------------------- callers
 
 
-def choose_strategy(params, ranks, ranks_per_node=1, *, allowed=None, **inputs) -> Row:
-    """The fastest row among ``allowed`` strategy names (None: all); for the demo's
-    ``--strategy auto``. Returns the Row: its ``options`` say how to run it."""
-    rows = predict(params, ranks, ranks_per_node, strategies=allowed, **inputs)
-    name = best(rows)
-    return next(r for r in rows if r.strategy == name)
+def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
+                    **inputs) -> list[tuple[str, Row]]:
+    """(slug, predicted row) of the named strategies (``dlion_kernels.strategies``) that can run
+    on this cluster, fastest first. ``allowed``: slugs (None: every strategy the model
+    predicts); strategies that one row predicts (``adamw-allreduce`` and ``lion-allreduce``)
+    appear once, as the first of them in ``allowed`` (or registry) order. ``inputs``: the rest of
+    predict()'s keyword arguments (modes, topologies and strategies follow from ``allowed``)."""
+    n = _number(ranks, "ranks", positive=True, integer=True)
+    L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
+    if allowed is None:
+        names = [s.slug for s in STRATEGIES.values() if s.row is not None]
+    else:
+        names = [allowed] if isinstance(allowed, str) else list(allowed)
+    by_row: dict[str, str] = {}
+    for slug in names:
+        strategy = get_strategy(slug)
+        if strategy.row is None:
+            raise ValueError(f"allowed: the runtime model has no row for {slug!r}; modelled: "
+                             + ", ".join(s.slug for s in STRATEGIES.values() if s.row))
+        if strategy.problem(n, L) is None:
+            by_row.setdefault(strategy.row, slug)
+    if not by_row:
+        raise ValueError(f"allowed: none of {names} can run on {n} ranks in nodes of {L}")
+    chosen = [get_strategy(slug) for slug in by_row.values()]
+    modes = tuple(dict.fromkeys(s.options["mode"] for s in chosen if "mode" in s.options))
+    topos = list(dict.fromkeys(s.options["topology"] for s in chosen if "topology" in s.options))
+    rows = predict(params, n, L, modes=modes or ("vote",), topologies=topos,
+                   strategies=list(by_row), **inputs)
+    return [(by_row[r.strategy], r) for r in rows]
+
+
+def choose_strategy(params, ranks, ranks_per_node=1, *, allowed=None,
+                    **inputs) -> tuple[str, Row]:
+    """The fastest of ``rank_strategies``: (its slug, its predicted row); for the demo's
+    ``--strategy auto``."""
+    return rank_strategies(params, ranks, ranks_per_node, allowed=allowed, **inputs)[0]
 
 
 def choose_hierarchy(n, ranks_per_node, params, *, mode="vote", overlap=False, **inputs) -> int:

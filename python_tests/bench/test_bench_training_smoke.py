@@ -42,7 +42,7 @@ def test_bench_training_smoke(tmp_path):
     rows = data["rows"]
     ok = {(r["layout"], r["variant"], r["sweep"], r["batch"], r["bucket_mb"]): r
           for r in rows if r["status"] == "ok"}
-    for key in ("no_comm", "ddp_fp32", "ddp_fp16", "dlion"):
+    for key in ("dlion-local", "lion-allreduce", "lion-allreduce-fp16", "dlion-vote"):
         assert ("flat", key, "main", 8, 1.0) in ok, key
     for r in ok.values():
         for field in SCHEMA:
@@ -51,15 +51,19 @@ def test_bench_training_smoke(tmp_path):
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["opt_ms"] > 0
     for r in rows:
         assert r["status"] == "ok" or r["skip_reason"], r
-    d = ok[("flat", "dlion", "main", 8, 1.0)]
+    d = ok[("flat", "dlion-vote", "main", 8, 1.0)]
     # SPEC §2 vote/binary: 2 (n-1)/n * d/8 bytes plus a few words of padding
     assert 0 <= d["bytes_per_rank"] - d["params"] / 8 <= 64
     # flat layout: one rank per namespace, DDP's fp32 all-reduce crosses the veth (4d at n = 2)
-    ddp = ok[("flat", "ddp_fp32", "main", 8, 1.0)]
+    ddp = ok[("flat", "lion-allreduce", "main", 8, 1.0)]
     assert ddp["wire_bytes_per_rank"] >= 0.95 * 4 * ddp["params"]
     # one namespace holding both ranks: everything stays on its loopback, nothing on the veth
-    assert ok[("1x2", "ddp_fp32", "main", 8, 1.0)]["wire_bytes_per_rank"] == 0
-    assert ("1x2", "hier_fp32", "main", 8, 1.0) in ok
+    assert ok[("1x2", "lion-allreduce", "main", 8, 1.0)]["wire_bytes_per_rank"] == 0
+    assert ("1x2", "lion-allreduce-hier", "main", 8, 1.0) in ok
+    # the strategies count their bytes: D-Lion's StepStats, the ring formula, the gossip wrapper
+    assert d["bytes_source"] == "StepStats" and ddp["bytes_source"] == "formula"
+    assert ddp["bytes_per_rank"] == 4 * ddp["params"]  # 2 (n-1)/n * 4d at n = 2
+    assert {r["label"] for r in ok.values()} >= {"D-Lion vote", "Lion + all-reduce"}
     assert {r["sweep"] for r in ok.values()} == {"main", "batch", "bucket"}
     assert data["bucket_fits"] and "ms_per_bucket" in data["bucket_fits"][0]
     assert "Whole training steps" in stdout

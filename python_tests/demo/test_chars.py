@@ -8,17 +8,22 @@ import math
 
 import pytest
 
-from dlion_kernels.demo import chars, common
-from dlion_kernels.exchange.header import HEADER_WORDS
-from dlion_kernels.kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
+from dlion_kernels.demo import chars, cli, common
+from dlion_kernels.kernels.layout import (
+    HEADER_WORDS,
+    aggregate_planes,
+    num_blocks,
+    shard_blocks,
+    vote_planes,
+)
 
 N = 2
-STRATEGIES = ["AdamW + all-reduce", "D-Lion vote", "D-Lion average", "D-Lion vote, overlap",
-              "Decentralized ring accum-adamw"]
+STRATEGIES = ["adamw-allreduce", "dlion-vote", "dlion-average", "dlion-vote-overlap",
+              "decentralized-ring-accum-adamw"]
 TINY = ["--task", "chars", "--workers", str(N), "--iters", "40", "--batch-size", "8",
         "--context", "32", "--d-model", "32", "--heads", "2", "--layers", "1",
         "--eval-windows", "32", "--seeds", "0", "--lion-lr", "3e-3", "--quiet",
-        "--strategies", *STRATEGIES]
+        "--strategy", *STRATEGIES]
 # Measured with TINY: validation loss 4.62 at initialization, after 40 iterations AdamW 2.9x,
 # D-Lion vote 3.0x, D-Lion average 3.0x, decentralized ring AccumAdamW 3.3x.
 MIN_DROP = 0.8  # nats
@@ -36,14 +41,8 @@ def _dlion_bytes(numels, n, mode):
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("chars") / "rows.json"
-    rows = common_main(TINY + ["--json", str(path)])
+    rows = cli.main(TINY + ["--json", str(path)])  # --task chars: the dispatcher runs chars
     return {r["strategy"]: r for r in rows}, path
-
-
-def common_main(argv):
-    from dlion_kernels.demo import digits
-
-    return digits.main(argv)  # --task chars is dispatched from the digits entry point too
 
 
 def test_chars_trains_and_reports(demo_run):
@@ -59,38 +58,43 @@ def test_chars_trains_and_reports(demo_run):
         assert r["val_loss"] < r["initial_val_loss"] - MIN_DROP, name
         assert r["eval_in_sync"], name  # evaluated parameters identical on every rank
     # fp32 all-reduce: 2 (n-1)/n * 4d bytes per rank per step
-    fp32 = rows["AdamW + all-reduce"]["bytes_per_step"]
+    fp32 = rows["adamw-allreduce"]["bytes_per_step"]
     assert fp32 == round(2 * (N - 1) / N * 4 * d)
     # D-Lion: 1 bit per element up and down plus the header and the padding to whole words
-    vote, average = rows["D-Lion vote"], rows["D-Lion average"]
+    vote, average = rows["dlion-vote"], rows["dlion-average"]
     assert vote["bytes_per_step"] == _dlion_bytes(numels, N, "vote")
     assert average["bytes_per_step"] == _dlion_bytes(numels, N, "average")
     assert 25 * vote["bytes_per_step"] < fp32 <= 32 * vote["bytes_per_step"]
-    # overlap is bit-identical to the step without it, in the same bytes (one bucket here)
-    overlap = rows["D-Lion vote, overlap"]
+    # overlap is bit-identical to the step without it; each bucket of 0.125 MB past the first
+    # adds a header and up to a word of padding per plane and peer (one bucket at this size)
+    overlap = rows["dlion-vote-overlap"]
     assert overlap["val_loss"] == vote["val_loss"]
-    assert overlap["bytes_per_step"] == vote["bytes_per_step"]
+    buckets = math.ceil(4 * d / (chars.BUCKET_MB * 2**20))
+    extra = overlap["bytes_per_step"] - vote["bytes_per_step"]
+    assert 0 <= extra <= (buckets - 1) * (N - 1) * 4 * (HEADER_WORDS + 2)
     # the synchronous strategies keep every rank identical all along
     for name in STRATEGIES[:4]:
         assert not rows[name]["ranks_differ"], name
     # decentralized: a pair all-reduce of fp32 parameters per step (2 (k-1)/k * 4d, k = 2); the
     # ranks differ between mixings and the loss is that of their average (identical everywhere)
-    dec = rows["Decentralized ring accum-adamw"]
+    dec = rows["decentralized-ring-accum-adamw"]
     assert dec["bytes_per_step"] == 4 * d
     assert dec["ranks_differ"]
-    assert abs(dec["val_loss"] - rows["AdamW + all-reduce"]["val_loss"]) < 0.6
+    assert abs(dec["val_loss"] - rows["adamw-allreduce"]["val_loss"]) < 0.6
     # the JSON holds the runs and the table printed from them
     saved = json.loads(path.read_text())
     assert [r["strategy"] for r in saved["table"]] == STRATEGIES
     assert saved["runs"] == [rows[name] for name in STRATEGIES]
     text = chars.format_table(saved["table"], saved["runs"])
     assert "| D-Lion vote | " in text and "validation loss (mean ± std over 1 seed)" in text
+    assert "| Decentralized ring accum-adamw | " in text
 
 
 def test_summary_over_seeds():
     """Mean and sample standard deviation per strategy, in the order the rows were run."""
-    runs = [{"strategy": s, "seed": k, "val_loss": v, "bytes_per_step": b, "wall_s": 1.0 + k,
-             "inter_node_bytes_per_step": None, "ranks_differ": False, "eval_in_sync": True}
+    runs = [{"strategy": s, "label": s, "seed": k, "val_loss": v, "bytes_per_step": b,
+             "wall_s": 1.0 + k, "inter_node_bytes_per_step": None, "ranks_differ": False,
+             "eval_in_sync": True}
             for k, (s, v, b) in enumerate([("A", 2.0, 10), ("B", 3.0, 4), ("A", 2.5, 10),
                                            ("A", 3.0, 10)])]
     table = chars.summarize(runs)
@@ -103,45 +107,29 @@ def test_summary_over_seeds():
 
 def test_strategy_rows_and_cli(capsys):
     args = chars.parse_args(["--workers", "4"])
-    names, skipped = chars.strategy_names(args, 4)
-    assert names == [s.format(L=2) for s in chars.STRATEGIES] and not skipped
+    names, skipped = common.strategy_names(args, 4)
+    assert names == list(chars.DEFAULT_STRATEGIES) and not skipped
     # 6 workers: one-peer-exp needs a power of two and alternating-exp-ring a power-of-two
     # number of nodes; they are skipped with the reason, the others run
-    names, skipped = chars.strategy_names(args, 6)
-    assert [s for s, _ in skipped] == ["Decentralized one-peer-exp accum-adamw",
-                                       "Decentralized alternating-exp-ring accum-adamw"]
+    names, skipped = common.strategy_names(args, 6)
+    assert [s for s, _ in skipped] == ["decentralized-one-peer-exp-accum-adamw",
+                                       "decentralized-alternating-exp-ring-accum-adamw"]
     assert all("power-of-two" in why for _, why in skipped)
-    assert "D-Lion vote, hierarchy 2" in names
+    assert "dlion-vote-hier" in names
+    # one rank per node: the hierarchical row cannot run
+    names, skipped = common.strategy_names(chars.parse_args(["--ranks-per-node", "1"]), 4)
+    assert [s for s, _ in skipped] == ["dlion-vote-hier"] and "nodes of L > 1" in skipped[0][1]
     with pytest.raises(SystemExit):
-        chars.parse_args(["--strategies", "D-Lion median"])
-    assert "unknown strategy 'D-Lion median'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="topology of"):
-        common.parse_name("Decentralized star accum-adamw")
-    # --task chars --help shows the chars options, from either entry point
+        chars.parse_args(["--strategy", "dlion-median"])
+    assert "unknown strategy 'dlion-median'" in capsys.readouterr().err
+    # --task chars --help shows the chars options through the dispatcher
     with pytest.raises(SystemExit) as exc:
-        common_main(["--task", "chars", "--help"])
+        cli.main(["--task", "chars", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--d-model" in out and "--ranks-per-node" in out
     assert common.task_of(["--epochs", "3"]) is None
     assert common.task_of(["--task=chars"]) == "chars"
-
-
-def test_plan_strategy_names_a_row_of_the_runtime_model():
-    """--strategy auto maps the model's rows back to demo strategies through plan_strategy."""
-    from dlion_kernels import plan
-
-    rows = {r.strategy for r in plan.predict(10**6, 4, 2, inter_gbps=1.0, fwd_ms=1.0, bwd_ms=2.0,
-                                             modes=("vote", "average"))}
-    expect = {"AdamW + all-reduce": "allreduce-fp32", "Lion + all-reduce": "allreduce-fp32",
-              "D-Lion vote": "dlion-vote", "D-Lion average, overlap": "dlion-average-overlap",
-              "D-Lion vote, hierarchy 2": "dlion-hier-vote",
-              "D-Lion average, overlap, hierarchy 2": "dlion-hier-average-overlap",
-              "Decentralized ring accum-lion": "decentralized-ring"}
-    for name, row in expect.items():
-        assert common.plan_strategy(name) == row and row in rows, name
-    with pytest.raises(ValueError, match="unknown strategy"):
-        common.plan_strategy("D-Lion median")
 
 
 def test_stdlib_text_is_fixed():

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from dlion_kernels.demo import digits as demo
 
 # Measured with these settings (3 workers, 8 epochs, hidden 64) for seeds 0, 1, 2: D-Lion vote
@@ -15,10 +17,10 @@ MAX_GAP_TO_ALLREDUCE = 0.05
 
 def test_demo_trains_and_reports(tmp_path, capsys):
     plot = tmp_path / "loss.png"
-    rows = {r["optimizer"]: r for r in demo.main(SMALL + ["--plot", str(plot)])}
-    assert list(rows) == list(demo.OPTIMIZERS)
-    vote, average = rows["D-Lion vote"], rows["D-Lion average"]
-    lion = rows["Lion + all-reduce"]
+    rows = {r["strategy"]: r for r in demo.main(SMALL + ["--plot", str(plot)])}
+    assert list(rows) == list(demo.DEFAULT_STRATEGIES)
+    vote, average = rows["dlion-vote"], rows["dlion-average"]
+    lion = rows["lion-allreduce"]
     assert vote["test_accuracy"] >= MIN_ACCURACY
     assert average["test_accuracy"] >= MIN_ACCURACY
     assert abs(vote["test_accuracy"] - lion["test_accuracy"]) <= MAX_GAP_TO_ALLREDUCE
@@ -26,7 +28,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     # 1 bit up and 1 bit down per parameter against 2 (n-1)/n * 32 bits: about 1/32 of the bytes.
     assert 30 * vote["bytes_per_step"] < lion["bytes_per_step"] < 33 * vote["bytes_per_step"]
     assert vote["bytes_per_step"] < average["bytes_per_step"] < lion["bytes_per_step"] / 10
-    assert rows["AdamW + all-reduce"]["bytes_per_step"] == lion["bytes_per_step"]
+    assert rows["adamw-allreduce"]["bytes_per_step"] == lion["bytes_per_step"]
     out = capsys.readouterr().out
     assert "| D-Lion vote |" in out and "test accuracy" in out
     assert plot.stat().st_size > 10_000
@@ -40,20 +42,22 @@ def test_demo_under_torchrun():
            "32", "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "| optimizer (2 workers) |" in proc.stdout
+    assert "| strategy (2 workers) |" in proc.stdout
     assert proc.stdout.count("| D-Lion vote |") == 1  # rank 0 alone prints the table
 
 
-def test_demo_hierarchy_rows():
-    """--hierarchy 2 on 4 workers (2 nodes of 2) adds hierarchical D-Lion rows that train and
-    send fewer bytes between nodes than flat D-Lion sends in all."""
+def test_demo_hierarchy_rows(capsys):
+    """Hierarchical D-Lion on 4 workers (2 nodes of 2) trains and sends fewer bytes between
+    nodes than flat D-Lion sends in all."""
     # Measured with these settings (seed 0): D-Lion vote 91.9%, hierarchical vote 92.2%,
     # hierarchical average 92.5%, Lion + all-reduce 92.2%.
     args = ["--workers", "4", "--epochs", "3", "--hidden", "32", "--lion-lr", "3e-3", "--quiet",
-            "--hierarchy", "2"]
-    rows = {r["optimizer"]: r for r in demo.main(args)}
-    flat, hier = rows["D-Lion vote"], rows["D-Lion vote, hierarchy 2"]
-    assert "D-Lion average, hierarchy 2" in rows
+            "--strategy", "dlion-vote", "dlion-vote-hier", "dlion-average-hier",
+            "--ranks-per-node", "2"]
+    rows = {r["strategy"]: r for r in demo.main(args)}
+    flat, hier = rows["dlion-vote"], rows["dlion-vote-hier"]
+    assert list(rows) == ["dlion-vote", "dlion-vote-hier", "dlion-average-hier"]
+    assert "| D-Lion vote, hierarchy |" in capsys.readouterr().out
     assert all(r["ranks_in_sync"] for r in rows.values())
     assert hier["test_accuracy"] >= 0.8  # chance is 10%
     assert abs(hier["test_accuracy"] - flat["test_accuracy"]) <= 0.05
@@ -64,28 +68,45 @@ def test_demo_hierarchy_rows():
 
 
 def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
-    """--strategy auto trains the one strategy the runtime model predicts fastest, from the
-    inputs in $DLION_PLAN (a measurement file), among those the demo runs."""
+    """--strategy auto trains the one strategy the runtime model ranks first among those it
+    predicts, from the inputs in $DLION_PLAN (a measurement file)."""
     import json
 
-    import dlion_kernels as dk
+    from dlion_kernels import plan
 
     inputs = dict(inter_gbps=0.05, latency_us=50.0, fwd_ms=0.2, bwd_ms=0.4, opt_ms=0.1)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"inputs": inputs}))
     monkeypatch.setenv("DLION_PLAN", str(path))
     numel = sum(p.numel() for p in demo.make_model(32, 0).parameters())
-    allowed = {"allreduce-fp32": "AdamW + all-reduce", "dlion-vote": "D-Lion vote",
-               "dlion-average": "D-Lion average", "dlion-vote-overlap": "D-Lion vote, overlap",
-               "dlion-average-overlap": "D-Lion average, overlap"}
-    allowed.update({f"decentralized-{t}": f"Decentralized {t} accum-adamw"
-                    for t in dk.plan.TOPOLOGIES if not dk.plan.topology_problem(t, 2, 1)})
-    rows = dk.plan.predict(numel, 2, 1, modes=("vote", "average"), bucket_mb=0.25, **inputs)
-    expected = next(r.strategy for r in rows if r.strategy in allowed)
+    ranked = plan.rank_strategies(numel, 2, 1, bucket_mb=demo.BUCKET_MB, **inputs)
+    expected, row = ranked[0]
     assert expected.startswith("dlion-vote")  # 1 bit per parameter on a 50 Mbit/s link
+    assert {"adamw-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
     trained = demo.main(["--workers", "2", "--epochs", "1", "--hidden", "32", "--quiet",
                          "--strategy", "auto"])
-    assert [r["optimizer"] for r in trained] == [allowed[expected]]
+    assert [r["strategy"] for r in trained] == [expected]
     assert trained[0]["ranks_in_sync"]
     out = capfd.readouterr().out  # rank 0's process printed the predictions
-    assert f"chosen: {expected} -> {allowed[expected]}" in out and "| allreduce-fp32 |" in out
+    assert f"chosen: {expected} (the model's row {row.strategy})" in out
+    assert "| allreduce-fp32 |" in out
+
+
+def test_demo_cli_errors(capsys):
+    """Unknown slugs and auto among other strategies are refused before any worker starts."""
+    for argv, match in [(["--strategy", "D-Lion vote"], "unknown strategy 'D-Lion vote'"),
+                        (["--strategy", "auto", "dlion-vote"], "give it alone"),
+                        (["--workers", "0"], "--workers must be >= 1")]:
+        with pytest.raises(SystemExit) as exc:
+            demo.parse_args(argv)
+        assert exc.value.code == 2
+        assert match in capsys.readouterr().err
+
+
+def test_strategies_that_cannot_run_are_skipped(capfd):
+    """A strategy that does not fit the workers is skipped with the reason; the rest train."""
+    rows = demo.main(["--workers", "3", "--epochs", "1", "--hidden", "16", "--quiet",
+                      "--strategy", "decentralized-ring-accum-adamw", "dlion-vote"])
+    assert [r["strategy"] for r in rows] == ["dlion-vote"]
+    assert "skipping decentralized-ring-accum-adamw: topology 'ring' needs an even number of " \
+        "ranks, got 3" in capfd.readouterr().out  # printed by rank 0's process

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import dlion_kernels as dk
+from dlion_kernels import strategies
 from dlion_kernels.plan import model
 from dlion_kernels.plan.__main__ import main
 
@@ -165,16 +166,6 @@ def test_decentralized_ring_hides_gossip_and_waits_for_its_pair():
     assert rows["decentralized-ring"].step_ms == pytest.approx(4.0)
 
 
-def test_topology_schedules():
-    assert model.schedule("ring", 4, 1) == [[[0, 1], [2, 3]], [[1, 2], [0, 3]]]
-    assert model.schedule("one-peer-exp", 4, 1) == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]
-    alt = model.schedule("alternating-exp-ring", 8, 2)  # 4 nodes of 2
-    assert len(alt) == 4
-    for groups in alt:  # every rank in exactly one group; pairs in opposite phase
-        assert sorted(r for g in groups for r in g) == list(range(8))
-        assert sorted(len(g) for g in groups) == [2, 2, 4]
-
-
 def test_rows_have_every_strategy_and_are_sorted():
     rows = model.predict("124M", 32, 8, inter_gbps=25, intra_gbps=1600, latency_us=30,
                          fwd_ms=80, bwd_ms=160, jitter_ms=10)
@@ -268,8 +259,8 @@ OK = dict(inter_gbps=10, fwd_ms=1, bwd_ms=2)
     (dict(ranks=6, topologies=["one-peer-exp"]), "power-of-two number of ranks, got 6"),
     (dict(ranks=5, topologies=["ring"]), "'ring' needs an even number of ranks, got 5"),
     (dict(ranks=12, ranks_per_node=4, topologies=["alternating-exp-ring"]),
-     "power-of-two number >= 2 of nodes, got 3 nodes of 4 ranks"),
-    (dict(topologies=["star"]), "unknown topology 'star'"),
+     "power-of-two number >= 2 of nodes; 12 ranks in nodes of 4 make 3 node"),
+    (dict(topologies=["star"]), "topology must be one of .*, got 'star'"),
     (dict(strategies=["dlion-foo"]), r"\['dlion-foo'\] not among the strategies"),
 ])
 def test_bad_inputs_raise_clear_errors(kwargs, match):
@@ -339,13 +330,16 @@ def test_cli_bad_inputs(argv, match, capsys):
 
 
 def test_model_needs_no_torch():
-    # model.py loads and predicts with torch made unimportable.
-    path = os.path.join(os.path.dirname(model.__file__), "model.py")
-    code = ("import sys, importlib.util\n"
+    # plan.model and what it imports (the topology rules, the wire layout) load and predict
+    # with torch made unimportable. The package's own __init__ is replaced by an empty package
+    # here: whether it stays light is its own test's business.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(model.__file__)))
+    code = ("import sys, types\n"
             "sys.modules['torch'] = None\n"
-            f"spec = importlib.util.spec_from_file_location('m', {path!r})\n"
-            "m = importlib.util.module_from_spec(spec); sys.modules['m'] = m\n"
-            "spec.loader.exec_module(m)\n"
+            "pkg = types.ModuleType('dlion_kernels')\n"
+            f"pkg.__path__ = [{os.path.join(root, 'dlion_kernels')!r}]\n"
+            "sys.modules['dlion_kernels'] = pkg\n"
+            "from dlion_kernels.plan import model as m\n"
             "rows = m.predict('124M', 8, 2, inter_gbps=10, fwd_ms=1, bwd_ms=2)\n"
             "print(m.best(rows))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -369,13 +363,43 @@ def test_choose_hierarchy():
 
 def test_choose_strategy():
     inputs = dict(inter_gbps=1, intra_gbps=1000, fwd_ms=10, bwd_ms=20)
-    row = model.choose_strategy("124M", 16, 4, **inputs)
-    assert row.strategy == model.best(model.predict("124M", 16, 4, **inputs))
-    allowed = ["allreduce-fp32", "dlion-vote"]
-    row = model.choose_strategy("124M", 16, 4, allowed=allowed, **inputs)
-    assert row.strategy == "dlion-vote"
+    slug, row = model.choose_strategy("124M", 16, 4, **inputs)
+    every = model.predict("124M", 16, 4, modes=("vote", "average"), **inputs)
+    assert row.strategy == model.best(every) and strategies.get(slug).row == row.strategy
+    slug, row = model.choose_strategy("124M", 16, 4, allowed=["adamw-allreduce", "dlion-vote"],
+                                      **inputs)
+    assert (slug, row.strategy) == ("dlion-vote", "dlion-vote")
     assert row.options == {"kind": "dlion", "mode": "vote", "votes": "binary", "overlap": False,
                            "hierarchy": 1}
+
+
+def test_rank_strategies_names_every_row_once():
+    """Every row of the model predicts a named strategy; strategies one row predicts appear
+    once (the first allowed); those that cannot run on the cluster are left out."""
+    inputs = dict(inter_gbps=10, fwd_ms=10, bwd_ms=20)
+    ranked = model.rank_strategies("10M", 6, 2, **inputs)
+    rows = {r.strategy for r in model.predict("10M", 6, 2, modes=("vote", "average"),
+                                              **inputs)}
+    assert {r.strategy for _, r in ranked} == rows
+    slugs = dict((r.strategy, slug) for slug, r in ranked)
+    assert slugs["allreduce-fp32"] == "adamw-allreduce"  # the first of the two in the registry
+    assert slugs["dlion-hier-average-overlap"] == "dlion-average-hier-overlap"
+    assert "decentralized-one-peer-exp" not in slugs  # 6 ranks: not a power of two
+    steps = [r.step_ms for _, r in ranked]
+    assert steps == sorted(steps)
+    ranked = model.rank_strategies("10M", 6, 2, allowed=["lion-allreduce", "adamw-allreduce",
+                                                        "dlion-vote-hier"], **inputs)
+    assert sorted(slug for slug, _ in ranked) == ["dlion-vote-hier", "lion-allreduce"]
+    # one rank per node: the hierarchical strategy cannot run and is left out
+    ranked = model.rank_strategies("10M", 6, 1, allowed=["dlion-vote", "dlion-vote-hier"],
+                                   **inputs)
+    assert [slug for slug, _ in ranked] == ["dlion-vote"]
+    with pytest.raises(ValueError, match="no row for 'dlion-local'"):
+        model.rank_strategies("10M", 6, 2, allowed=["dlion-local"], **inputs)
+    with pytest.raises(ValueError, match="none of .* can run on 6 ranks"):
+        model.rank_strategies("10M", 6, 1, allowed=["dlion-vote-hier"], **inputs)
+    with pytest.raises(ValueError, match="unknown strategy 'dlion-median'"):
+        model.rank_strategies("10M", 6, 2, allowed=["dlion-median"], **inputs)
 
 
 def test_one_rank_sends_nothing():

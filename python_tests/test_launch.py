@@ -1,6 +1,6 @@
-"""demo.common.spawn, the one launcher of local gloo ranks (the tests' run_workers, bench/'s
-run_ranks, the demo's launch): results in rank order, and a failed or hung rank is named while
-every other rank is killed, never waited for."""
+"""dlion_kernels.launch.spawn, the one launcher of local gloo ranks (the tests' run_workers,
+bench/'s run_ranks, the demo's launch): results in rank order, and a failed or hung rank is named
+while every other rank is killed, never waited for."""
 
 import time
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dlion_kernels.demo.common import spawn
+from dlion_kernels.launch import spawn
 
 
 def _sum_of_ranks(rank, n, tag):

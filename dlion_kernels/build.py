@@ -1,0 +1,309 @@
+"""A named strategy (``strategies.py``) built on one rank: the one place that turns a slug into
+optimizers, wrappers and hooks, for the demo and ``bench/bench_training.py`` alike.
+
+    built = build("dlion-vote-overlap", model, Settings(lion_lr=3e-4, bucket_mb=0.25))
+    for x, y in data:
+        built.zero_grad()
+        loss = loss_fn(built(x), y)    # through the wrapper (DDP, gossip) if the strategy has one
+        loss.backward()
+        sent = built.step()            # the exchange and the update; the bytes this rank sent
+    built.finish()                     # outstanding gossip
+
+Every rank builds the same strategies in the same order (building is collective: DDP broadcasts
+the parameters, topologies and hierarchies create process groups). One builder per family
+(``BUILDERS``); a new family (FSDP2 over a 2-D mesh, local steps around an inner optimizer) adds
+its builder here and its entries to ``strategies.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .decentralized.wrapper import DecentralizedDataParallel
+from .optim.accum import AccumAdamW, AccumLion
+from .optim.ddp_hook import register_ddp_comm_hook
+from .optim.dlion import DistributedLion
+from .strategies import Strategy, get
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every strategy of a comparison shares: hyper-parameters and the job's layout."""
+
+    lion_lr: float = 1e-4  # Lion, D-Lion, AccumLion
+    adamw_lr: float = 1e-3  # AdamW, AccumAdamW
+    weight_decay: float = 0.0
+    backend: str | None = None  # dlion_kernels backend (None: the fastest available)
+    accum_steps: int | None = None  # K of AccumAdamW / AccumLion; None: the number of ranks
+    bucket_mb: float = 25.0  # DDP's buckets, D-Lion's overlap buckets, the gossip buckets
+    ranks_per_node: int = 1  # L: the nodes of hierarchies and alternating-exp-ring
+
+    def __post_init__(self):
+        # the rest is checked by the optimizers and wrappers that take it
+        _check_count("ranks_per_node", self.ranks_per_node)
+        if self.accum_steps is not None:
+            _check_count("accum_steps", self.accum_steps)
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Settings.{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"Settings.{name} must be >= 1, got {value}")
+
+
+class Built:
+    """One strategy on one rank. ``module`` is what to call (the model, or DDP / the gossip
+    wrapper around it), ``optimizer`` the optimizer to step (None when the wrapper steps during
+    backward), ``stats`` the last ``StepStats`` of a D-Lion step (else None)."""
+
+    def __init__(self, strategy: Strategy, model, module, optimizer, sent, source: str, *,
+                 finish=None, evaluation=None):
+        self.strategy, self.model, self.module, self.optimizer = strategy, model, module, optimizer
+        self._sent = sent  # () -> (bytes this step, bytes to other nodes or None)
+        self.bytes_source = source  # where the byte counts come from
+        self._finish = finish  # () -> None: end outstanding communication
+        self._evaluation = evaluation  # () -> the context to evaluate in
+        self.bytes_total = self.steps = 0
+        self.inter_node_bytes = None
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad(self) -> None:
+        (self.optimizer or self.module).zero_grad(set_to_none=True)
+
+    def step(self) -> int:
+        """After ``loss.backward()``: the update (the exchange it still owes first); returns
+        the bytes this rank sent in this step."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        sent, self.inter_node_bytes = self._sent()
+        self.bytes_total += sent
+        self.steps += 1
+        return sent
+
+    @property
+    def stats(self):
+        """The last D-Lion ``StepStats`` when the byte counts come from them, else None (the
+        Lion of an all-reduce strategy steps on a group of one: its stats count no bytes)."""
+        return self.optimizer.last_stats if self.bytes_source == "StepStats" else None
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Mean bytes sent per step (alternating-exp-ring's groups change size step to step)."""
+        return round(self.bytes_total / self.steps) if self.steps else 0
+
+    def finish(self) -> None:
+        """End outstanding communication (the last iteration's gossip)."""
+        if self._finish is not None:
+            self._finish()
+
+    def evaluation(self):
+        """The context to evaluate in: for ranks that hold different parameters (gossip), their
+        average over all ranks; otherwise nothing to do."""
+        return self._evaluation() if self._evaluation is not None else contextlib.nullcontext()
+
+
+def build(slug: str, model: torch.nn.Module, settings: Settings) -> Built:
+    """``slug``'s optimizer and exchange around ``model`` on this rank of the default process
+    group. ValueError if the strategy cannot run on this group (``Strategy.problem``)."""
+    strategy = get(slug)
+    if not isinstance(settings, Settings):
+        raise TypeError(f"settings must be a build.Settings, got {type(settings).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("build() needs an initialized default process group "
+                           "(torch.distributed.init_process_group)")
+    n = dist.get_world_size()
+    reason = strategy.problem(n, settings.ranks_per_node)
+    if reason is not None:
+        raise ValueError(reason)
+    return BUILDERS[strategy.family](strategy, model, n, settings)
+
+
+# ----------------------------------------------------------------------------- groups
+
+# (id of the default group, what) -> (default group, this rank's group): every rank creates
+# every group once per default group, in the same order (dist.new_group is collective).
+_GROUPS: dict = {}
+
+
+def _cached(what, make):
+    world = dist.group.WORLD
+    hit = _GROUPS.get((id(world), what))
+    if hit is None or hit[0] is not world:
+        hit = (world, make())
+        _GROUPS[(id(world), what)] = hit
+    return hit[1]
+
+
+def _solo_group():
+    """A group of this rank alone (None on a one-rank job: the default group is one)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return None
+    return _cached("solo", lambda: [dist.new_group([r]) for r in range(n)][rank])
+
+
+def _node_groups(L: int):
+    """(this rank's node of L consecutive ranks, its group of same-local-rank peers)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    return _cached(("nodes", L), lambda: (
+        [dist.new_group(list(range(s, s + L))) for s in range(0, n, L)][rank // L],
+        [dist.new_group(list(range(j, n, L))) for j in range(L)][rank % L]))
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _ring_bytes(p: int, nbytes: float) -> int:
+    """What one rank of a ring all-reduce of ``nbytes`` over p ranks sends: 2 (p-1)/p S."""
+    return round(2 * (p - 1) / p * nbytes) if p > 1 else 0
+
+
+def _local_optimizer(name: str, params, s: Settings, group):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=s.adamw_lr, weight_decay=s.weight_decay)
+    # Plain Lion is D-Lion on a group of one with ternary votes (the exact sign).
+    return DistributedLion(params, lr=s.lion_lr, votes="ternary", group=group,
+                           weight_decay=s.weight_decay, backend=s.backend)
+
+
+def _allreduce(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    """DDP's gradient all-reduce (fp32, or through a compressing / hierarchical comm hook),
+    then the optimizer on each rank alone. Bytes: the ring formula (DDP does not count)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+    wire, d, L = strategy.options["wire"], sum(p.numel() for p in model.parameters()), 1
+    if wire == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif wire == "bf16":  # torch's bf16_compress_hook refuses gloo ("needs NCCL")
+        ddp.register_comm_hook(None, _bf16_hook)
+    elif wire == "hier-fp32":
+        L = s.ranks_per_node
+        ddp.register_comm_hook(_node_groups(L), _hier_hook)
+    opt = _local_optimizer(strategy.optimizer, list(model.parameters()), s, _solo_group())
+    if wire == "hier-fp32":  # reduce-scatter + all-gather in the node, the shard's ring across
+        inter = _ring_bytes(n // L, 4 * d / L)
+        sent = (2 * round((L - 1) / L * 4 * d) + inter, inter)
+    else:
+        sent = (_ring_bytes(n, (4 if wire == "fp32" else 2) * d), None)
+    return Built(strategy, model, ddp, opt, lambda: sent, "formula")
+
+
+def _bf16_hook(state, bucket):
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16).div_(dist.get_world_size())
+
+    def back(fut):
+        buf.copy_(fut.value()[0])
+        return buf
+
+    return dist.all_reduce(low, async_op=True).get_future().then(back)
+
+
+@functools.cache
+def _hier_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1)  # one thread: buckets in one order on every rank
+
+
+def _hier_hook(groups, bucket):
+    """Reduce-scatter in the node, all-reduce of the shard across nodes, all-gather in the
+    node, on one side thread (gloo's reduce-scatter work has no future to chain on)."""
+    intra, inter = groups
+    buf = bucket.buffer()
+    fut = torch.futures.Future()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def run():
+        try:
+            L = dist.get_world_size(intra)
+            numel, pad = buf.numel(), (-buf.numel()) % L
+            flat = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
+            shard = flat.new_empty(flat.numel() // L)
+            scatter(shard, flat, group=intra)
+            dist.all_reduce(shard, group=inter)
+            shard.div_(dist.get_world_size())
+            gather(flat, shard, group=intra)
+            if pad:
+                buf.copy_(flat[:numel])
+            fut.set_result(buf)
+        except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+            fut.set_exception(e)
+
+    _hier_pool().submit(run)
+    return fut
+
+
+def _stats_bytes(opt):
+    """() -> (bytes sent, bytes sent to other nodes) of ``opt``'s last D-Lion step."""
+    def sent():
+        stats = opt.last_stats
+        return stats.bytes_sent, getattr(stats, "inter_node_bytes_sent", None)
+
+    return sent
+
+
+def _local(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    """D-Lion with its exchange replaced by a tally on a group of this rank alone."""
+    opt = DistributedLion(model.parameters(), lr=s.lion_lr, group=_solo_group(),
+                          weight_decay=s.weight_decay, backend=s.backend)
+    return Built(strategy, model, model, opt, _stats_bytes(opt), "StepStats")
+
+
+def _dlion(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    o = strategy.options
+    kw = dict(lr=s.lion_lr, mode=o["mode"], weight_decay=s.weight_decay, backend=s.backend)
+    if o["hierarchy"]:
+        kw["hierarchy"] = s.ranks_per_node
+    if o["overlap"]:
+        kw.update(overlap=True, bucket_mb=s.bucket_mb)
+    module = model
+    if o["ddp_hook"]:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+        opt = DistributedLion(module.parameters(), **kw)
+        register_ddp_comm_hook(module, opt)
+    else:
+        opt = DistributedLion(model.parameters(), **kw)
+    return Built(strategy, model, module, opt, _stats_bytes(opt), "StepStats")
+
+
+def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    """DecentralizedDataParallel with the named optimizer per bucket (it steps in backward)."""
+    K, name = s.accum_steps or n, strategy.optimizer
+    if name == "accum-adamw":
+        def opt_fn(ps):
+            return AccumAdamW(ps, lr=s.adamw_lr, weight_decay=s.weight_decay, accum_steps=K,
+                              backend=s.backend)
+    elif name == "accum-lion":
+        def opt_fn(ps):
+            return AccumLion(ps, lr=s.lion_lr, weight_decay=s.weight_decay, accum_steps=K,
+                             backend=s.backend)
+    else:
+        def opt_fn(ps):
+            return torch.optim.AdamW(ps, lr=s.adamw_lr, weight_decay=s.weight_decay)
+    ddp = DecentralizedDataParallel(model, opt_fn, topology=strategy.options["topology"],
+                                    bucket_mb=s.bucket_mb, local_world_size=s.ranks_per_node)
+    last = [0]  # the wrapper counts from its construction on
+
+    def sent():
+        delta, last[0] = ddp.bytes_sent - last[0], ddp.bytes_sent
+        return delta, None
+
+    return Built(strategy, model, ddp, None, sent, "DecentralizedDataParallel.bytes_sent",
+                 finish=ddp.synchronize, evaluation=ddp.global_average)
+
+
+BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion,
+            "decentralized": _decentralized}

@@ -1,0 +1,94 @@
+"""The one way this repository starts local gloo ranks: ``spawn(n, fn, *args)`` runs
+``fn(rank, n, *args)`` on n spawned processes of this machine joined by a gloo process group (a
+file store: no port to pick), and returns their results. The tests (``python_tests/workers.py``),
+the benchmarks (``bench/common.run_ranks``) and the demo use it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+
+def _spawned(fn, rank, n, store, out_dir, threads, args):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
+        torch.set_num_threads(threads)
+        result = fn(rank, n, *args)
+        dist.barrier()  # no rank tears down while another still talks to it
+        dist.destroy_process_group()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        code = 1
+    # Skip interpreter teardown: it can abort (SIGABRT) while gloo's threads are destroyed (seen
+    # on CI after every result was written), which would read as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> list:
+    """``fn(rank, n, *args)`` on n spawned processes of this machine joined by a gloo process
+    group (``torch.set_num_threads(threads)`` each); returns the n results, rank order.
+
+    ``fn`` must be a module-level function and its results picklable. When a rank raises, the
+    others (waiting in a collective forever) are killed at once; after ``timeout`` seconds
+    (None: no limit) every rank still running is killed. Either way RuntimeError names the
+    ranks and holds the failed ones' tracebacks."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        # a file store: no port to pick, so parallel runs on one machine cannot collide
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_spawned, args=(fn, r, n, store, tmp, threads, args))
+                 for r in range(n)]
+        end = None if timeout is None else time.monotonic() + timeout
+        why = None  # why the ranks still running were killed
+        try:
+            for p in procs:
+                p.start()
+            while why is None:
+                # one list: a rank that ends between two checks must not leave wait([]) forever
+                running = [p for p in procs if p.exitcode is None]
+                if not running:
+                    break
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    why = f"timed out after {timeout:g} s"
+                    break
+                wait([p.sentinel for p in running], left)
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    why = f"killed: rank {failed[0]} failed"
+        finally:
+            killed = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+        errors = []
+        for r, p in enumerate(procs):
+            err = os.path.join(tmp, f"rank{r}.err")
+            if os.path.exists(err):
+                with open(err) as f:
+                    errors.append(f"rank {r}:\n{f.read()}")
+            elif r in killed:
+                errors.append(f"rank {r}: {why or 'killed'}")
+            elif p.exitcode != 0:
+                errors.append(f"rank {r}: exit code {p.exitcode}")
+        if errors:
+            raise RuntimeError(f"{n} gloo ranks of {getattr(fn, '__name__', fn)} failed\n"
+                               + "\n".join(errors))
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(n)]

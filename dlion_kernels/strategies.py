@@ -1,0 +1,127 @@
+"""Every training strategy this repository runs, each under one name (its slug).
+
+A strategy is an optimizer together with the way the ranks exchange what it needs. Its slug is
+lowercase and dash-separated, family first, then what sets it apart:
+
+- ``adamw-allreduce``, ``lion-allreduce``: DDP's fp32 gradient all-reduce, then the optimizer on
+  every rank; ``lion-allreduce-fp16`` / ``-bf16`` compress the all-reduce (a DDP comm hook),
+  ``lion-allreduce-hier`` runs it as reduce-scatter in the node, all-reduce of the shard across
+  nodes, all-gather in the node
+- ``dlion-vote``, ``dlion-average``: ``DistributedLion(mode=...)``; suffixes ``-overlap``
+  (``overlap=True``), ``-hier`` (``hierarchy=L``: nodes of L consecutive ranks, L the run's ranks
+  per node), ``-hier-overlap``, and ``-ddp-hook`` (``register_ddp_comm_hook`` on a DDP model)
+- ``dlion-local``: D-Lion on a group of one rank (a local tally): the step with no communication
+- ``decentralized-<topology>-<optimizer>``: ``DecentralizedDataParallel`` on a topology of
+  ``topologies.py`` with ``accum-adamw``, ``accum-lion`` or ``adamw`` per bucket
+
+Each entry carries its label for tables, its parameters (``options``, read by its family's
+builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
+predicts its step (``plan/model.py``; None where the model has none). Numbers that are the same
+for every strategy of a run (learning rates, bucket size, L, K) are the builder's ``Settings``,
+not part of the name.
+
+The demo (``--strategy``), ``bench/bench_training.py`` (``--variants``), ``bench/bench_plan.py``
+and the runtime model (``choose_strategy``) name strategies by these slugs. Adding one is an
+entry in ``_entries`` below, plus a builder in ``build.py`` for a new family.
+
+Pure Python, no torch: the runtime model imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .topologies import TOPOLOGIES, problem
+
+MODES = ("vote", "average")
+DECENTRALIZED_OPTIMIZERS = ("accum-adamw", "accum-lion", "adamw")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One named strategy (see the module docstring)."""
+
+    slug: str
+    label: str  # its name in tables
+    family: str  # which builder runs it: allreduce, local, dlion, decentralized
+    optimizer: str  # the update on each rank: adamw, lion, dlion, accum-adamw, accum-lion
+    row: str | None  # the runtime model's row that predicts its step, or None
+    options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    nodes: bool = False  # runs on nodes of L = ranks_per_node > 1 ranks
+    bucketed: bool = False  # exchanges per bucket of bucket_mb during backward
+    legacy: str | None = None  # its variant key in round-2 bench_training results
+
+    def problem(self, n: int, ranks_per_node: int = 1) -> str | None:
+        """Why it cannot run on n ranks in nodes of ``ranks_per_node``, or None."""
+        L = ranks_per_node
+        if self.nodes and (L < 2 or n % L):
+            return (f"{self.slug} needs nodes of L > 1 ranks (ranks per node) and a world size "
+                    f"that is a multiple of L; got {n} ranks with L = {L}")
+        topology = self.options.get("topology")
+        if topology is not None:
+            return problem(topology, n, L if topology == "alternating-exp-ring" else 1)
+        return None
+
+
+def _entries():
+    def add(slug, label, family, optimizer, row, nodes=False, bucketed=False, legacy=None,
+            **options):
+        return Strategy(slug, label, family, optimizer, row, MappingProxyType(options), nodes,
+                        bucketed, legacy)
+
+    # DDP: one all-reduce per bucket during backward
+    yield add("adamw-allreduce", "AdamW + all-reduce", "allreduce", "adamw", "allreduce-fp32",
+              bucketed=True, wire="fp32")
+    yield add("lion-allreduce", "Lion + all-reduce", "allreduce", "lion", "allreduce-fp32",
+              bucketed=True, legacy="ddp_fp32", wire="fp32")
+    # fp16 moves the bf16 row's bytes; kept out of the model's validation as before (None)
+    yield add("lion-allreduce-fp16", "Lion + fp16 all-reduce", "allreduce", "lion", None,
+              bucketed=True, legacy="ddp_fp16", wire="fp16")
+    yield add("lion-allreduce-bf16", "Lion + bf16 all-reduce", "allreduce", "lion",
+              "allreduce-bf16", bucketed=True, legacy="ddp_bf16", wire="bf16")
+    yield add("lion-allreduce-hier", "Lion + hier. all-reduce (RS/AR/AG)", "allreduce", "lion",
+              None, nodes=True, bucketed=True, legacy="hier_fp32", wire="hier-fp32")
+    yield add("dlion-local", "D-Lion, local tally (no comm)", "local", "dlion", None,
+              legacy="no_comm")
+    for mode in MODES:
+        for suffix, label, overlap, hier, hook, row, legacy in [
+                ("", "", False, False, False, f"dlion-{mode}", "dlion"),
+                ("-overlap", ", overlap", True, False, False, f"dlion-{mode}-overlap",
+                 "dlion_overlap"),
+                ("-hier", ", hierarchy", False, True, False, f"dlion-hier-{mode}", "dlion_hier"),
+                ("-hier-overlap", ", hierarchy, overlap", True, True, False,
+                 f"dlion-hier-{mode}-overlap", "dlion_hier_overlap"),
+                ("-ddp-hook", ", DDP hook", False, False, True, None, "dlion_ddp_hook")]:
+            yield add(f"dlion-{mode}{suffix}", f"D-Lion {mode}{label}", "dlion", "dlion", row,
+                      nodes=hier, bucketed=overlap or hook,
+                      legacy=legacy if mode == "vote" else None, mode=mode, overlap=overlap,
+                      hierarchy=hier, ddp_hook=hook)
+    round2 = {"ring": "dec_ring", "one-peer-exp": "dec_one_peer_exp",
+              "alternating-exp-ring": "dec_alt_exp_ring"}  # all with accum-adamw
+    for topology in TOPOLOGIES:
+        for opt in DECENTRALIZED_OPTIMIZERS:
+            yield add(f"decentralized-{topology}-{opt}", f"Decentralized {topology} {opt}",
+                      "decentralized", opt, f"decentralized-{topology}", bucketed=True,
+                      legacy=round2.get(topology) if opt == "accum-adamw" else None,
+                      topology=topology)
+
+
+STRATEGIES: dict[str, Strategy] = {s.slug: s for s in _entries()}
+_LEGACY = {s.legacy: s for s in STRATEGIES.values() if s.legacy}
+
+
+def get(slug: str) -> Strategy:
+    """The strategy named ``slug``; ValueError listing the slugs if there is none."""
+    if not isinstance(slug, str):
+        raise TypeError(f"a strategy name must be a str, got {type(slug).__name__}")
+    if slug not in STRATEGIES:
+        raise ValueError(f"unknown strategy {slug!r}; known: {', '.join(STRATEGIES)}")
+    return STRATEGIES[slug]
+
+
+def resolve(name: str) -> Strategy:
+    """The strategy named by a slug, or by the variant key that round-2
+    ``bench_training.py`` used before the slugs (``ddp_fp32``, ``dec_ring``, ...: its results
+    files and recorded commands)."""
+    return _LEGACY[name] if name in _LEGACY else get(name)

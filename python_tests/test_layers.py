@@ -1,0 +1,340 @@
+"""The package's floors (docs/architecture.md), enforced on the source: every import of every
+module, read with ``ast`` (module- and function-level, relative and absolute), goes to a module
+of the same floor or a lower one; no two modules import each other, directly or round a longer
+cycle; no module imports another's private names; the torch-free modules import nothing but the
+standard library and each other; each wire constant and topology list has one home.
+
+A new module needs a floor in FLOORS (a prefix covers a whole package), and the table in
+docs/architecture.md says the same. KNOWN lists what other branches still owe: each entry names
+the import that breaks a rule today; remove it when its fix lands (the test then fails if the
+entry is stale, so the list can only shrink)."""
+
+import ast
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "dlion_kernels"
+
+# (module or package prefix, floor): the longest matching prefix gives a module its floor.
+# A module imports only modules of its own floor or lower ones; the package __init__ re-exports
+# and nothing imports it. Floor 0 is torch-free: the standard library and floor 0 only.
+FLOORS = [
+    ("dlion_kernels._version", 0),  # the version, once
+    ("dlion_kernels.kernels.layout", 0),  # the wire format: blocks, bit planes, header words
+    ("dlion_kernels.topologies", 0),  # gossip topologies: names, rules, schedules
+    ("dlion_kernels.strategies", 0),  # the named strategies
+    ("dlion_kernels.plan", 0),  # the runtime model: numbers, not tensors
+    ("dlion_kernels.kernels", 1),  # the fused stages on every backend
+    ("dlion_kernels.launch", 1),  # local gloo ranks for tests, benchmarks and the demo
+    ("dlion_kernels.exchange", 2),  # the D-Lion protocol on a process group (and sharded.py)
+    ("dlion_kernels.plan.measure", 2),  # the runtime model on a live group: calibration
+    ("dlion_kernels.plan.auto", 2),
+    ("dlion_kernels.plan.__main__", 2),  # its CLI (--measure)
+    ("dlion_kernels.optim", 3),  # torch.optim front ends
+    ("dlion_kernels.decentralized", 3),  # gossip training
+    ("dlion_kernels.local", 3),  # local steps (DiLoCo)
+    ("dlion_kernels.checkpoint", 4),  # per-rank optimizer checkpoints
+    ("dlion_kernels.build", 4),  # a named strategy built on a rank
+    ("dlion_kernels.demo", 5),  # the training demos
+    ("dlion_kernels", 6),  # the package __init__: re-exports only
+]
+# Importable without torch: floor 0, and the modules `python -m dlion_kernels.plan` loads first
+# (module level only: --measure imports torch inside a function).
+TORCH_FREE_AT_IMPORT = {"dlion_kernels.plan.__main__"}
+# One home for each fact: (module-level name) -> the module that defines it.
+HOMES = {"BLOCK": "dlion_kernels.kernels.layout", "WORD_BYTES": "dlion_kernels.kernels.layout",
+         "_WORD_BYTES": "dlion_kernels.kernels.layout",
+         "HEADER_WORDS": "dlion_kernels.kernels.layout",
+         "TOPOLOGIES": "dlion_kernels.topologies", "STRATEGIES": "dlion_kernels.strategies"}
+
+# What other branches still owe (issue 18), as (rule, module[, what it imports or defines]).
+KNOWN = {
+    # the version is read from the package __init__ (core: _version.py or package metadata)
+    ("upward", "dlion_kernels.checkpoint", "dlion_kernels"),
+    ("cycle", "dlion_kernels.checkpoint", "dlion_kernels"),
+    # the package __init__ imports every floor at import time (core: lazy __init__)
+    ("torch", "dlion_kernels"),
+    # the Accum reference and scalars live in accum.py, which imports its backends lazily and
+    # they import it back (core: a leaf module)
+    ("cycle", "dlion_kernels.kernels.accum", "dlion_kernels.kernels.accum_native"),
+    ("cycle", "dlion_kernels.kernels.accum", "dlion_kernels.kernels.accum_triton"),
+    # hierarchy on the pipeline's private pieces (_BucketWork, _WORD_BYTES) and a private check
+    # (_check_tensor) (overlap: public pipeline pieces)
+    ("private", "dlion_kernels.exchange.hierarchy", "dlion_kernels.exchange.checks"),
+    ("private", "dlion_kernels.exchange.hierarchy", "dlion_kernels.exchange.pipeline"),
+    # the Accum Triton kernels on triton.py's private helpers (_load_f32, _tables, _on, ...)
+    ("private", "dlion_kernels.kernels.accum_triton", "dlion_kernels.kernels.triton"),
+    # wire constants still defined in the exchange: header.py and pipeline.py import
+    # HEADER_WORDS and WORD_BYTES from kernels/layout.py instead
+    ("home", "dlion_kernels.exchange.header", "HEADER_WORDS"),
+    ("home", "dlion_kernels.exchange.pipeline", "_WORD_BYTES"),
+}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> path, for every .py file of the package."""
+    out = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].split(os.sep)
+                name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+                out[name] = os.path.join(folder, f)
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_module(name: str) -> bool:
+    """A module of the package: a .py file, a package, or a compiled extension (_C)."""
+    if name in MODULES:
+        return True
+    parent, _, leaf = name.rpartition(".")
+    folder = os.path.join(ROOT, *parent.split("."))
+    return parent in MODULES and os.path.isdir(folder) and any(
+        f.startswith(leaf + ".") and f.endswith(".so") for f in os.listdir(folder))
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import of one module: (target module, imported name or None, line, at import
+    time), targets resolved to absolute names (``from . import x`` is the module ``x`` when x
+    is one, else the name x of the package)."""
+
+    def __init__(self, module: str, is_package: bool):
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.found: list[tuple[str, str | None, int, bool]] = []
+        self.depth = 0  # inside a function body: runs later, not at import time
+
+    def visit_FunctionDef(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self.found.append((alias.name, None, node.lineno, self.depth == 0))
+
+    def visit_ImportFrom(self, node):
+        if node.level:
+            parts = self.package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1])
+            base = f"{base}.{node.module}" if node.module else base
+        else:
+            base = node.module
+        if base == "__future__":
+            return
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            if base.startswith(PACKAGE) and _is_module(sub):
+                self.found.append((sub, None, node.lineno, self.depth == 0))
+            else:
+                self.found.append((base, alias.name, node.lineno, self.depth == 0))
+
+
+def _imports() -> dict[str, list[tuple[str, str | None, int, bool]]]:
+    out = {}
+    for name, path in MODULES.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        visitor = _Imports(name, path.endswith("__init__.py"))
+        visitor.visit(tree)
+        out[name] = visitor.found
+    return out
+
+
+IMPORTS = _imports()
+
+
+def floor(module: str) -> int | None:
+    best = None
+    for prefix, level in FLOORS:
+        if module == prefix or module.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, level)
+    return None if best is None else best[1]
+
+
+def _where(module: str, line: int) -> str:
+    return f"{os.path.relpath(MODULES[module], ROOT)}:{line}"
+
+
+def _internal(target: str) -> str | None:
+    """The package module an import target is (compiled extensions count as their package)."""
+    if target != PACKAGE and not target.startswith(PACKAGE + "."):
+        return None
+    while target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _check(found: list, known_kind: str, key: tuple, message: str, errors: list, used: set):
+    if (known_kind, *key) in KNOWN:
+        used.add((known_kind, *key))
+    else:
+        errors.append(message)
+    found.append((known_kind, *key))
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _violations():
+    errors, used, seen = [], set(), []
+    edges: dict[str, dict[str, int]] = {m: {} for m in MODULES}
+    for module, imports in IMPORTS.items():
+        mine = floor(module)
+        for target, name, line, _ in imports:
+            inner = _internal(target)
+            if inner is None or inner == module:
+                continue
+            edges[module].setdefault(inner, line)
+            theirs = floor(inner)
+            if inner == PACKAGE or (mine is not None and theirs is not None and theirs > mine):
+                _check(seen, "upward", (module, inner),
+                       f"{_where(module, line)}: {module} (floor {mine}) imports {inner} "
+                       f"(floor {theirs}{', the package __init__' if inner == PACKAGE else ''})",
+                       errors, used)
+            if name and name.startswith("_") and not name.startswith("__") \
+                    and inner == target:
+                _check(seen, "private", (module, inner),
+                       f"{_where(module, line)}: {module} imports the private name {name} of "
+                       f"{inner}", errors, used)
+    # cycles: strongly connected components of the import graph (Tarjan)
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(set(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(MODULES)))
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    for comp in comps:
+        inner_edges = sorted((a, b) for a in comp for b in edges[a] if b in comp)
+        if all((("cycle", a, b) in KNOWN or ("cycle", b, a) in KNOWN) for a, b in inner_edges):
+            used.update(k for a, b in inner_edges for k in [("cycle", a, b), ("cycle", b, a)]
+                        if k in KNOWN)
+            continue
+        errors.append("import cycle: " + "; ".join(
+            f"{a} imports {b} ({_where(a, edges[a][b])})" for a, b in inner_edges))
+    # torch-free modules: the standard library and each other, also their parent packages
+    torch_free = {m for m in MODULES if floor(m) == 0} | TORCH_FREE_AT_IMPORT
+    parents = {p for m in torch_free for p in _ancestors(m)}
+    for module in sorted(torch_free | parents):
+        for target, _, line, at_import in IMPORTS[module]:
+            if module in parents - torch_free and not at_import:
+                continue  # a parent package must only load light
+            if module in TORCH_FREE_AT_IMPORT and not at_import:
+                continue
+            inner = _internal(target)
+            top = target.split(".")[0]
+            if inner is None and top in sys.stdlib_module_names:
+                continue
+            if inner is not None and (inner in torch_free or inner in parents):
+                continue
+            _check(seen, "torch", (module,),
+                   f"{_where(module, line)}: {module} must load without torch but imports "
+                   f"{target}", errors, used)
+    # one home for each fact
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in HOMES and HOMES[t.id] != module:
+                    _check(seen, "home", (module, t.id),
+                           f"{_where(module, node.lineno)}: {module} defines {t.id}; its one "
+                           f"home is {HOMES[t.id]}", errors, used)
+    return errors, used
+
+
+def _ancestors(module: str):
+    parts = module.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def test_every_module_has_a_floor():
+    missing = [m for m in MODULES if floor(m) is None]
+    assert not missing, f"add these modules (or their package) to FLOORS: {missing}"
+
+
+def test_floors_cycles_private_names_torch_and_homes():
+    errors, used = _violations()
+    assert not errors, "\n".join(errors)
+    stale = KNOWN - used
+    assert not stale, f"fixed: remove these entries from KNOWN: {sorted(stale)}"
+
+
+def test_the_architecture_page_states_the_same_floors():
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        text = f.read()
+    stated = set()
+    for row in re.findall(r"^\| *(\d+) *\|[^|]*\|([^|]*)\|", text, re.M):
+        stated |= {(m, int(row[0])) for m in re.findall(r"`([\w.]+)`", row[1])}
+    assert stated == set(FLOORS), (f"only in the test: {set(FLOORS) - stated}; only in "
+                                   f"docs/architecture.md: {stated - set(FLOORS)}")
+
+
+# ----------------------------------------------------------------------------- the checker
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("from ..demo import common\n", "upward"),
+    ("from dlion_kernels import checkpoint\n", "upward"),
+    ("def f():\n    from .. import build\n", "upward"),
+    ("from .pipeline import _private\n", "private"),
+    ("import dlion_kernels\n", "upward"),
+])
+def test_the_checker_finds_violations(tmp_path, monkeypatch, source, kind):
+    """A module of floor 2 written with a bad import is caught, function-level imports too."""
+    name = "dlion_kernels.exchange.probe"
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, name, str(path))
+    visitor = _Imports(name, False)
+    visitor.visit(ast.parse(source))
+    monkeypatch.setitem(IMPORTS, name, visitor.found)
+    errors, _ = _violations()
+    assert any(name in e and kind.replace("upward", "imports") in e for e in errors), errors
+
+
+def test_the_checker_finds_cycles(monkeypatch):
+    IMPORTS_ = dict(IMPORTS)
+    IMPORTS_["dlion_kernels.kernels.layout"] = IMPORTS["dlion_kernels.kernels.layout"] + [
+        ("dlion_kernels.kernels.errors", None, 1, False)]
+    IMPORTS_["dlion_kernels.kernels.errors"] = IMPORTS["dlion_kernels.kernels.errors"] + [
+        ("dlion_kernels.kernels.layout", None, 1, False)]
+    monkeypatch.setattr(sys.modules[__name__], "IMPORTS", IMPORTS_)
+    errors, _ = _violations()
+    assert any(e.startswith("import cycle: ") and "kernels.errors imports "
+               "dlion_kernels.kernels.layout" in e for e in errors), errors
