@@ -180,7 +180,8 @@ def test_baseline_isa_variant():
 
     here = os.path.dirname(os.path.abspath(__file__))
     native_test = "test_native.py::test_local_step_and_apply_match_reference"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # -n 0: in one process, as a test file of the outer run already is one worker's
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
            os.path.join(here, native_test), os.path.join(here, "test_backends.py"),
            "-k", "cpu and (every_half or nonfinite or apply)"]
     env = {**os.environ, "DLION_CPU_NO_AVX2": "1"}
