@@ -387,84 +387,31 @@ def run_bench(args) -> int:
 
 def run_timeline(args) -> int:
     """Both paths alternately in one launch per network, traced; plots and tables."""
-    import overlap_trace as ot
-
     start = time.time()
     out_dir = common.results_dir("overlap-timeline", args.out)
     before = uptime()
-    nets = networks(args)
     cases = [v for _ in range(args.rounds) for v in TRACED]
     md, report = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_overlap-") as tmp:
-        for net in nets:
+        for net in networks(args):
             name = net_name(net)
             results, run_dir = launch(net, cases, args, tmp, trace=True)
             n = net["nodes"] * net["L"]
-            per_case = []
+            traced = []
             for res in results:
-                traces = []
+                ranks = []
                 for r in range(n):
                     with open(os.path.join(run_dir, f"trace-{res['index']}-r{r}.json")) as f:
-                        traces.append(json.load(f))
-                per_case.append((res, traces))
-            panels, rows, summaries = [], [], []
-            for variant in TRACED:
-                mine = [(res, tr) for res, tr in per_case if res["variant"] == variant]
-                # every timed step of every launch of this variant: (step ms, case, step)
-                steps = sorted((max(res["times"][r][k][0] for r in range(n)), i, k)
-                               for i, (res, _) in enumerate(mine)
-                               for k in range(len(res["times"][0])))
-                ms, i, k = steps[len(steps) // 2]  # the median step (slowest rank)
-                res, traces = mine[i]
-                events = [ot.step_events(tr, k) for tr in traces]
-                panels.append((f"{LABELS[variant]}: median step, {1e3 * ms:.0f} ms "
-                               f"(slowest rank), {res['buckets']} buckets", events))
-                for r, ev in enumerate(events):
-                    for b in ot.bucket_table(ev):
-                        rows.append(dict(network=name, variant=variant, rank=r, **b))
-                for tr_i, (res_j, traces_j) in enumerate(mine):
-                    for kk in range(len(res_j["times"][0])):
-                        for r in range(n):
-                            s = ot.summary(ot.step_events(traces_j[r], kk))
-                            summaries.append(dict(network=name, variant=variant, rank=r,
-                                                  launch_case=res_j["index"], step=kk, **s))
-                report.setdefault(name, {})[variant] = {
-                    "step_ms_all": [round(1e3 * s[0], 2) for s in steps],
-                    "step_ms_median": 1e3 * ms}
-            slug = name.replace(" ", "-").replace("/", "")
-            with gzip.open(os.path.join(out_dir, f"traces-{slug}.json.gz"), "wt") as f:
-                json.dump([{"variant": res["variant"], "times": res["times"],
-                            "buckets": res["buckets"], "ranks": traces}
-                           for res, traces in per_case], f)
-            png = ot.plot(panels, os.path.join(out_dir, f"timeline-{slug}.png"),
-                          f"{name}, n = {n}, {args.depth} x Linear({args.width}), batch "
-                          f"{args.batch}, bucket_mb {args.bucket_mb:g}; commit "
-                          f"{common._git_commit()}")
-            med = _median_summaries(summaries)
-            report[name]["buckets"] = rows
-            report[name]["summary"] = med
-            md.append(f"## {name}\n\n" + (f"Plot: `{os.path.basename(png)}`\n" if png else ""))
-            md.append(common.markdown_table(med, [
-                ("variant", "variant"), ("fwd_ms", "fwd", ".1f"),
-                ("bwd_ms", "bwd", ".1f"), ("opt_ms", "opt", ".1f"),
-                ("bwd_hook_ms", "in hooks", ".1f"), ("bwd_local_step_ms", "local step", ".1f"),
-                ("bwd_tally_ms", "tally (bwd)", ".1f"), ("bwd_wait_ms", "host wait (bwd)", ".1f"),
-                ("opt_wait_ms", "host wait (step)", ".1f"), ("opt_tally_ms", "tally (step)",
-                                                              ".1f"),
-                ("opt_apply_ms", "apply", ".1f"), ("first_a2a_issued_ms", "1st a2a at", ".1f"),
-                ("last_grad_ms", "last grad at", ".1f")],
-                title="Median over steps and ranks (ms; 'at': from the backward's start)"))
-            md.append(common.markdown_table(
-                [r for r in rows if r["rank"] == 0], [
-                    ("variant", "variant"), ("bucket", "bucket"),
-                    ("a2a_issued_ms", "a2a issued", ".1f"), ("a2a_done_ms", "a2a done", ".1f"),
-                    ("a2a_wait_start_ms", "a2a wait at", ".1f"),
-                    ("a2a_wait_ms", "a2a wait", ".1f"),
-                    ("gather_issued_ms", "gather issued", ".1f"),
-                    ("gather_done_ms", "gather done", ".1f"),
-                    ("gather_wait_ms", "gather wait", ".1f")],
-                title="Rank 0, the plotted step, per bucket (ms from the backward's start)"))
-            print(md[-3] + md[-2] + md[-1], flush=True)
+                        ranks.append(json.load(f))
+                traced.append({"variant": res["variant"], "times": res["times"],
+                               "buckets": res["buckets"], "ranks": ranks})
+            with gzip.open(os.path.join(out_dir, f"traces-{slug(name)}.json.gz"), "wt") as f:
+                json.dump(traced, f)
+            title = (f"{name}, n = {n}, {args.depth} x Linear({args.width}), batch {args.batch},"
+                     f" bucket_mb {args.bucket_mb:g}; commit {common._git_commit()}")
+            report[name], text = timeline_report(name, traced, out_dir, title)
+            md.append(text)
+            print(text, flush=True)
     meta = common.metadata({"benchmark": "bench_overlap --timeline", "uptime_before": before,
                             "uptime_after": uptime(), "args": vars(args),
                             "wall_s": round(time.time() - start)})
@@ -475,6 +422,80 @@ def run_timeline(args) -> int:
             f"`{meta['uptime_after']}`\n\n")
     common.save_text(out_dir, "timeline.md", head + "\n".join(md))
     print(f"-> {out_dir}")
+    return 0
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "-").replace("/", "")
+
+
+def timeline_report(name: str, traced: list[dict], out_dir: str, title: str) -> tuple:
+    """From one network's traced launches (``traces-*.json.gz``): the plot of each path's
+    median step (slowest rank) and the tables; returns (report, markdown)."""
+    import overlap_trace as ot
+
+    n = len(traced[0]["ranks"])
+    panels, rows, summaries, report = [], [], [], {}
+    for variant in TRACED:
+        mine = [case for case in traced if case["variant"] == variant]
+        # every timed step of every launch of this variant: (step s, launch, step)
+        steps = sorted((max(case["times"][r][k][0] for r in range(n)), i, k)
+                       for i, case in enumerate(mine) for k in range(len(case["times"][0])))
+        s, i, k = steps[len(steps) // 2]  # the median step (slowest rank)
+        events = [ot.step_events(tr, k) for tr in mine[i]["ranks"]]
+        panels.append((f"{LABELS[variant]}: median step, {1e3 * s:.0f} ms (slowest rank), "
+                       f"{mine[i]['buckets']} buckets", events))
+        for r, ev in enumerate(events):
+            for b in ot.bucket_table(ev):
+                rows.append(dict(network=name, variant=variant, rank=r, **b))
+        for case in mine:
+            for kk in range(len(case["times"][0])):
+                for r in range(n):
+                    summaries.append(dict(variant=variant, rank=r, step=kk, **ot.summary(
+                        ot.step_events(case["ranks"][r], kk))))
+        report[variant] = {"step_ms_all": [round(1e3 * x[0], 2) for x in steps],
+                           "step_ms_median": 1e3 * s}
+    png = ot.plot(panels, os.path.join(out_dir, f"timeline-{slug(name)}.png"), title)
+    med = _median_summaries(summaries)
+    report["buckets"], report["summary"] = rows, med
+    text = (f"## {name}\n\n" + (f"Plot: `{os.path.basename(png)}`\n\n" if png else "")
+            + common.markdown_table(med, [
+                ("variant", "variant"), ("fwd_ms", "fwd", ".1f"),
+                ("bwd_ms", "bwd", ".1f"), ("opt_ms", "opt", ".1f"),
+                ("bwd_hook_ms", "in hooks", ".1f"), ("bwd_local_step_ms", "local step", ".1f"),
+                ("bwd_tally_ms", "tally (bwd)", ".1f"),
+                ("bwd_wait_ms", "host wait (bwd)", ".1f"),
+                ("opt_wait_ms", "host wait (step)", ".1f"),
+                ("opt_tally_ms", "tally (step)", ".1f"), ("opt_apply_ms", "apply", ".1f"),
+                ("first_a2a_issued_ms", "1st a2a at", ".1f"),
+                ("last_grad_ms", "last grad at", ".1f")],
+                title="Median over steps and ranks (ms; 'at': from the backward's start)")
+            + common.markdown_table([r for r in rows if r["rank"] == 0], [
+                ("variant", "variant"), ("bucket", "bucket"),
+                ("a2a_issued_ms", "a2a issued", ".1f"), ("a2a_done_ms", "a2a done", ".1f"),
+                ("a2a_wait_start_ms", "a2a wait at", ".1f"),
+                ("a2a_wait_ms", "a2a wait", ".1f"),
+                ("gather_issued_ms", "gather issued", ".1f"),
+                ("gather_done_ms", "gather done", ".1f"),
+                ("gather_wait_ms", "gather wait", ".1f")],
+                title="Rank 0, the plotted step, per bucket (ms from the backward's start)"))
+    return report, text
+
+
+def replot(folder: str) -> int:
+    """Draw a --timeline folder's plots again from its stored traces (same steps, tables)."""
+    with open(os.path.join(folder, "timeline.json")) as f:
+        saved = json.load(f)
+    meta, names = saved["metadata"], list(saved["networks"])
+    a = meta["args"]
+    for name in names:
+        with gzip.open(os.path.join(folder, f"traces-{slug(name)}.json.gz"), "rt") as f:
+            traced = json.load(f)
+        n = len(traced[0]["ranks"])
+        title = (f"{name}, n = {n}, {a['depth']} x Linear({a['width']}), batch {a['batch']}, "
+                 f"bucket_mb {a['bucket_mb']:g}; commit {meta['git_commit']}")
+        timeline_report(name, traced, folder, title)
+        print(f"replotted {name} in {folder}")
     return 0
 
 
@@ -509,11 +530,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--launch-timeout-s", type=float, default=600.0)
+    ap.add_argument("--replot", metavar="DIR",
+                    help="draw a --timeline folder's plots again from its traces")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
+    if args.replot:
+        return replot(args.replot)
     if args.layouts is None:
         args.layouts = "4x1" if args.timeline else "4x1,2x2"
     if args.rates_gbit is None:

@@ -274,9 +274,10 @@ def plot(panels: list[tuple[str, list[list[dict]]]], path: str, title: str) -> s
         ("local_step", "local step"), ("tally", "tally"), ("apply", "apply"),
         ("nonfinite", "non-finite scan"), ("wait", "host wait for a collective"),
         ("a2a", "all_to_all issued..done"), ("gather", "all_gather issued..done"))]
-    fig.legend(handles=handles, loc="upper center", ncol=5, fontsize=7)
     fig.suptitle(title, fontsize=9, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.legend(handles=handles, loc="upper center", ncol=5, fontsize=7,
+               bbox_to_anchor=(0.5, 0.965))
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
