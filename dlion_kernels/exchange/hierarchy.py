@@ -78,13 +78,13 @@ from .checks import DTYPES, _check_tensor, check_params
 from .collectives import as_timedelta, collective, new_group
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
-    _WORD_BYTES,
     COMPANION,
+    WORD_BYTES,
+    BucketWork,
     Exchange,
     NonFiniteGradientError,
     Row,
     StepStats,
-    _BucketWork,
     all_gather,
     by_dtype,
     check_group_device,
@@ -399,12 +399,12 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         flags = torch.empty(N, dtype=torch.int32, device=device)
         collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
         flag = flags.any().to(torch.int32).view(1)
-        inter += (N - 1) * _WORD_BYTES
+        inter += (N - 1) * WORD_BYTES
     headers = make_header(flag, step)
     if L > 1:
         mine, headers = headers, torch.empty(L * HEADER_WORDS, dtype=torch.int32, device=device)
         collective(HEADERS, step, all_gather, headers, mine, topo.intra, timeout=timeout)
-        intra += (L - 1) * HEADER_WORDS * _WORD_BYTES
+        intra += (L - 1) * HEADER_WORDS * WORD_BYTES
     if decide(headers):  # raises StepMismatchError alike on every rank
         if nonfinite == "raise" and found_inf is None:
             raise NonFiniteGradientError(
@@ -425,7 +425,7 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         if hi > lo:
             part = slice(BLOCK * lo, BLOCK * hi)
             rows.append(Row(grad[part], grad[part], exp_avg[part], lo, s))
-    bucket = _BucketWork(rows, S, ex)
+    bucket = BucketWork(rows, S, ex)
     bucket.start()
     bucket.advance()
     bucket.wait()
@@ -438,7 +438,7 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     if L > 1:
         aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
         collective(NODE_GATHER, step, all_gather, aggregate, owned, topo.intra, timeout=timeout)
-        intra += (L - 1) * owned.numel() * _WORD_BYTES
+        intra += (L - 1) * owned.numel() * WORD_BYTES
     else:
         aggregate = owned
 
@@ -491,7 +491,7 @@ def gather_groups(topo: Topology, device, step, timeout=None):
     return inter[topo.local], intra[topo.node]
 
 
-class _NodeBucket(_BucketWork):
+class _NodeBucket(BucketWork):
     """A bucket of the overlapped hierarchical step: phase 1 (node-mean gradient of this rank's
     shard) at ``start``, then pipeline's stages on the inter-node group (check and local step on
     the shard, all_to_all, tally, all_gather), then a third stage, the node gather of the N
@@ -548,7 +548,7 @@ class _NodeBucket(_BucketWork):
                                    self.owner.node_group, async_op=True)
             self.name = NODE_GATHER
             self.node_owned = owned  # alive until the gather is done
-            self.owner.intra += (L - 1) * owned.numel() * _WORD_BYTES
+            self.owner.intra += (L - 1) * owned.numel() * WORD_BYTES
 
     def wait(self) -> None:
         super().wait()

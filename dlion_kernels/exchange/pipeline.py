@@ -70,7 +70,7 @@ from .collectives import collective, group_timeout
 from .collectives import wait as wait_work
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
-_WORD_BYTES = 4
+WORD_BYTES = 4
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
 # the making of the gathers' group (once per group, at its first overlapped step)
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
@@ -230,7 +230,7 @@ class Streams:
 # ----------------------------------------------------------------------------- one bucket
 
 
-class _BucketWork:
+class BucketWork:
     """One bucket of one step: its buffers and the collective in flight.
 
     ``start`` issues the all_to_all (after the check and the local step); each ``advance`` waits
@@ -295,7 +295,7 @@ class _BucketWork:
             self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
                                    self.send.view(-1), group=ex.group, async_op=True)
             self.name = A2A
-            ex.sent += (n - 1) * width * _WORD_BYTES
+            ex.sent += (n - 1) * width * WORD_BYTES
 
     def reduce(self) -> None:
         """Stage 1, once the all_to_all is complete: tally the owned shard, gather the
@@ -316,7 +316,7 @@ class _BucketWork:
                                ex.gather_group, async_op=True)
         self.name = GATHER
         self.owned = owned  # alive until the gather is done
-        ex.sent += (n - 1) * self.shard * ex.p_out * _WORD_BYTES
+        ex.sent += (n - 1) * self.shard * ex.p_out * WORD_BYTES
 
     def apply(self, skip) -> None:
         ex = self.ex
@@ -407,7 +407,7 @@ class Exchange:
         self.step = int(step)
         self.found_inf = found_inf  # GradScaler's overflow check replaces the scan (header.py)
         self.streams = streams if streams is not None else Streams(self.device)
-        self.works: list[_BucketWork] = []
+        self.works: list[BucketWork] = []
         self.sent = 0
         self.write_back: list = []
 
@@ -425,9 +425,9 @@ class Exchange:
         return c
 
     def add(self, rows: list[Row], blocks: int) -> None:
-        self.add_work(_BucketWork(rows, blocks, self), [r.grad for r in rows])
+        self.add_work(BucketWork(rows, blocks, self), [r.grad for r in rows])
 
-    def add_work(self, work: _BucketWork, inputs) -> None:
+    def add_work(self, work: BucketWork, inputs) -> None:
         """Start ``work`` (``inputs``: the tensors it reads that the caller's stream made), then
         move the earlier buckets on: every one whose collective in flight is complete
         (``gather_group``), or the previous ones, lag one."""

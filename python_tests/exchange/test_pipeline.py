@@ -38,7 +38,7 @@ class Log:
         self.events, self.in_backward = [], False
 
     def __enter__(self):
-        self.saved = (pipeline.wait_work, pipeline.collective, pipeline._BucketWork.reduce)
+        self.saved = (pipeline.wait_work, pipeline.collective, pipeline.BucketWork.reduce)
         wait_work, collective, reduce = self.saved
         log = self
 
@@ -57,11 +57,11 @@ class Log:
             return reduce(work)
 
         pipeline.wait_work, pipeline.collective = logged_wait, logged_collective
-        pipeline._BucketWork.reduce = logged_reduce
+        pipeline.BucketWork.reduce = logged_reduce
         return self
 
     def __exit__(self, *exc):
-        pipeline.wait_work, pipeline.collective, pipeline._BucketWork.reduce = self.saved
+        pipeline.wait_work, pipeline.collective, pipeline.BucketWork.reduce = self.saved
 
     def backward(self, loss):
         self.in_backward = True
