@@ -46,10 +46,13 @@ so a parameter, which lies in one bucket, still has one contiguous range of mome
 the rank's momentum buffer is its bucket shards end to end. Per bucket: 1. node reduce_scatter,
 2.-4. the flag goes in the [flag, step] header of the inter-node all_to_all (no separate flag
 collectives), local step, tally, inter-node all_gather; 5. node all_gather of the N received
-headers followed by the aggregate shard, so every rank sees all n headers of every bucket. The
-tally, inter-node gather and node gather of bucket k are issued when bucket k+1 starts (lag
-one), in bucket order on every rank. ``step()`` (``finish``) takes one device skip flag from all
-the headers; momentum update and apply obey it (a NaN on any rank, or ranks on different steps,
+headers followed by the aggregate shard, so every rank sees all n headers of every bucket.
+Phases 1-4 run when the bucket is ready (the reduce-scatter synchronously: the local step needs
+it); the tally, inter-node gather and node gather follow on the flat overlap's schedule
+(``pipeline.py``, Ordering: on gloo each as soon as the collective before it is complete, on
+second groups, ``gather_groups``; on CUDA lag one), in bucket order on every group.
+``step()`` (``Exchange.finish``) takes one device skip flag from all the headers; the momentum
+update and the apply (pipeline's ``update_momentum`` and ``apply_rows``) obey it (a NaN on any rank, or ranks on different steps,
 change nothing anywhere; the mismatch then raises), as the flat overlap does. Results are bit
 for bit those without overlap: every element's vote, tie bit and update are the same, and so is
 its node sum for L = 2 (for L > 2 the reduce_scatter may add the L values in another order when
@@ -86,8 +89,9 @@ from .pipeline import (
     Row,
     StepStats,
     all_gather,
-    by_dtype,
+    apply_rows,
     check_group_device,
+    update_momentum,
 )
 
 _F32_BYTES = 4
@@ -442,31 +446,13 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     else:
         aggregate = owned
 
-    # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
-    for r in rows:
-        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
-        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
-        r.exp_avg.copy_(b2 * r.exp_avg + omb2 * r.grad)
+    # the momentum shard, then every parameter (x only: the rank's momentum is its shard)
+    update_momentum(rows)
     momentum.commit()
-    _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
+    offsets = iter(layout.offsets)
+    apply_rows(stages, [Row(p, None, None, next(offsets), s) for s in segments for p in s.params],
+               aggregate, N, mode, ternary, skip=None)
     return stats()
-
-
-def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
-    """x = x - lr (D + wd x) for every parameter (not the momentum: only the shard has one)."""
-    offset_iter = iter(offsets)
-    for s in segments:
-        rows = [(p, next(offset_iter)) for p in s.params]
-        rows = [(p, off) for p, off in rows if p.numel() > 0]
-        for part in by_dtype(rows):
-            params, offs = zip(*part)
-            work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            # exp_avgs=None: x only; the rank's momentum is its shard, updated above
-            stages.apply(work, None, None, aggregate, list(offs), s.lr, s.weight_decay, 1.0, n,
-                         mode, ternary, skip=None)
-            for p, w in zip(params, work):
-                if w is not p:
-                    p.copy_(w)
 
 
 # ----------------------------------------------------------------------------- overlap
@@ -506,7 +492,9 @@ class _NodeBucket(BucketWork):
         super().__init__([], layout.shard, owner.ex)
         self.owner, self.params, self.grads, self.segments = owner, params, grads, segments
         self.layout, self.exp_avg = layout, exp_avg
-        self.entries = list(zip(params, layout.offsets, segments))
+        # every parameter of the bucket, applied without momentum (the shard has it)
+        self.param_rows = [Row(p, None, None, off, seg)
+                           for p, off, seg in zip(params, layout.offsets, segments)]
         self.numel = sum(p.numel() for p in params)
         self.both = None  # the node gather's output, read once it is complete
 
@@ -562,16 +550,12 @@ class _NodeBucket(BucketWork):
             self.both = None
 
     def apply(self, skip) -> None:
-        ex, device = self.ex, self.ex.device
+        ex = self.ex
         ex.streams.used_on_current([r.grad for r in self.rows])
-        for r in self.rows:
-            # the momentum shard, m = b2 m + (1 - b2) g (the arithmetic of the step without
-            # overlap), kept as it was when skipped
-            b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
-            omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
-            r.exp_avg.copy_(torch.where(skip != 0, r.exp_avg, b2 * r.exp_avg + omb2 * r.grad))
-        _apply_bucket(ex.stages, self.entries, self.aggregate, self.owner.topo.nodes,
-                      ex.mode, ex.ternary, skip)
+        # the momentum shard (kept as it was when skipped), then every parameter, x only
+        update_momentum(self.rows, skip)
+        apply_rows(ex.stages, self.param_rows, self.aggregate, self.owner.topo.nodes, ex.mode,
+                   ex.ternary, skip)
 
 
 class OverlapStep:
@@ -626,20 +610,3 @@ class OverlapStep:
             backend=ex.backend, skipped=stats.skipped, buckets=stats.buckets,
             intra_node_bytes_sent=self.intra, inter_node_bytes_sent=ex.sent,
             nodes=self.topo.nodes, ranks_per_node=self.topo.ranks_per_node)
-
-
-def _apply_bucket(stages, entries, aggregate, n, mode, ternary, skip) -> None:
-    """x = x - lr (D + wd x) for a bucket's parameters, unless ``skip`` (device flag)."""
-    runs: dict = {}
-    for p, off, seg in entries:
-        if p.numel() > 0:
-            runs.setdefault(id(seg), (seg, []))[1].append((p, off))
-    for seg, rows in runs.values():
-        for part in by_dtype(rows):
-            params, offs = zip(*part)
-            work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            stages.apply(work, None, None, aggregate, list(offs), seg.lr, seg.weight_decay, 1.0,
-                         n, mode, ternary, skip=skip)
-            for p, w in zip(params, work):
-                if w is not p:
-                    p.copy_(w)

@@ -118,11 +118,12 @@ class Segment:
 @dataclass
 class Row:
     """One tensor of a bucket: contiguous param/grad/momentum, its block offset in the bucket,
-    and the segment whose hyper-parameters apply to it."""
+    and the segment whose hyper-parameters apply to it. ``exp_avg`` None: a parameter applied
+    without momentum (``apply_rows``)."""
 
     param: torch.Tensor
     grad: torch.Tensor | None
-    exp_avg: torch.Tensor
+    exp_avg: torch.Tensor | None
     offset: int
     segment: Segment
 
@@ -320,16 +321,41 @@ class BucketWork:
 
     def apply(self, skip) -> None:
         ex = self.ex
-        rows = [r for r in self.rows if r.param.numel() > 0]
-        for seg_rows in _by_segment(rows):
-            s = seg_rows[0].segment
-            # one launch per (parameter dtype, gradient dtype); None gradients ride along
-            for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
-                for sub in by_dtype([(g, p, m, off) for p, g, m, off in part]):
-                    g, p, m, off = zip(*sub)
-                    ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
-                                    s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary,
-                                    skip=skip)
+        apply_rows(ex.stages, self.rows, self.aggregate, ex.n, ex.mode, ex.ternary, skip)
+
+
+def apply_rows(stages, rows, aggregate, n, mode, ternary, skip) -> None:
+    """The protocol's apply, for ``rows`` laid out in ``aggregate``'s block space: x = x - lr
+    (D + wd x) for each row's parameter and, for rows with a momentum, m = b2 m + (1 - b2) g in
+    the same launch (rows with ``exp_avg`` None: x only, as hierarchy's, whose momentum is a
+    shard: ``update_momentum``); nothing at all when ``skip`` (int32 [1] on the device) is set.
+    One launch per param group and (parameter dtype, gradient dtype); None gradients ride along;
+    a non-contiguous parameter is worked on through a copy written back."""
+    rows = [r for r in rows if r.param.numel() > 0]  # empty tensors own no block
+    for seg_rows in _by_segment(rows):
+        s = seg_rows[0].segment
+        for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
+            for sub in by_dtype([(g, p, m, off) for p, g, m, off in part]):
+                g, p, m, off = zip(*sub)
+                work = [x if x.is_contiguous() else x.contiguous() for x in p]
+                momentum = None if m[0] is None else list(m)
+                stages.apply(work, list(g), momentum, aggregate, list(off), s.lr,
+                             s.weight_decay, s.beta2, n, mode, ternary, skip=skip)
+                for x, w in zip(p, work):
+                    if w is not x:
+                        x.copy_(w)
+
+
+def update_momentum(rows, skip=None) -> None:
+    """m = b2 m + (1 - b2) g in fp32 for ``rows`` whose momentum the apply does not update
+    (``exp_avg`` of a row other than its parameter's own: hierarchy's shards); kept as it was
+    where ``skip`` (device flag) is set."""
+    for r in rows:
+        device = r.exp_avg.device
+        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
+        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+        new = b2 * r.exp_avg + omb2 * r.grad
+        r.exp_avg.copy_(new if skip is None else torch.where(skip != 0, r.exp_avg, new))
 
 
 def _by_segment(rows):
