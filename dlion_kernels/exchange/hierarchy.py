@@ -52,12 +52,12 @@ it); the tally, inter-node gather and node gather follow on the flat overlap's s
 (``pipeline.py``, Ordering: on gloo each as soon as the collective before it is complete, on
 second groups, ``gather_groups``; on CUDA lag one), in bucket order on every group.
 ``step()`` (``Exchange.finish``) takes one device skip flag from all the headers; the momentum
-update and the apply (pipeline's ``update_momentum`` and ``apply_rows``) obey it (a NaN on any rank, or ranks on different steps,
-change nothing anywhere; the mismatch then raises), as the flat overlap does. Results are bit
-for bit those without overlap: every element's vote, tie bit and update are the same, and so is
-its node sum for L = 2 (for L > 2 the reduce_scatter may add the L values in another order when
-the element lies in another rank's shard: identical when the sums are exact). Bytes differ by
-each bucket's header words and padding.
+update and the apply (pipeline's ``update_momentum`` and ``apply_rows``) obey it (a NaN on any
+rank, or ranks on different steps, change nothing anywhere; the mismatch then raises), as the
+flat overlap does. Results are bit for bit those without overlap: every element's vote, tie
+bit and update are the same, and so is its node sum for L = 2 (for L > 2 the reduce_scatter may
+add the L values in another order when the element lies in another rank's shard: identical when
+the sums are exact). Bytes differ by each bucket's header words and padding.
 
 The momentum is never gathered: a rank holds only its shard. The functional ``fused_dlion_step``
 reads and writes only the shard's elements of the full-size ``exp_avgs`` it is given;
