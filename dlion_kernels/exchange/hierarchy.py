@@ -48,9 +48,8 @@ the rank's momentum buffer is its bucket shards end to end. Per bucket: 1. node 
 collectives), local step, tally, inter-node all_gather; 5. node all_gather of the N received
 headers followed by the aggregate shard, so every rank sees all n headers of every bucket.
 Phases 1-4 run when the bucket is ready (the reduce-scatter synchronously: the local step needs
-it); the tally, inter-node gather and node gather follow on the flat overlap's schedule
-(``pipeline.py``, Ordering: on gloo each as soon as the collective before it is complete, on
-second groups, ``gather_groups``; on CUDA lag one), in bucket order on every group.
+it); the tally, inter-node gather and node gather of bucket k are issued when bucket k+1 starts
+(lag one, ``pipeline.py``, Ordering), in bucket order on every group, and waited for at step().
 ``step()`` (``Exchange.finish``) takes one device skip flag from all the headers; the momentum
 update and the apply (pipeline's ``update_momentum`` and ``apply_rows``) obey it (a NaN on any
 rank, or ranks on different steps, change nothing anywhere; the mismatch then raises), as the
@@ -81,7 +80,6 @@ from .checks import DTYPES, _check_tensor, check_params
 from .collectives import as_timedelta, collective, new_group
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
-    COMPANION,
     WORD_BYTES,
     BucketWork,
     Exchange,
@@ -458,25 +456,6 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
 # ----------------------------------------------------------------------------- overlap
 
 
-def gather_groups(topo: Topology, device, step, timeout=None):
-    """(inter, intra): the groups of the overlapped step's inter-node gathers and node gathers.
-    gloo: second groups with the ranks of the topology's own (``pipeline.companion`` says why),
-    made once per topology by every rank, every group in the same order, as a collective of step
-    ``step`` (``pipeline.COMPANION`` in errors); CUDA: the topology's own groups (lag one)."""
-    if torch.device(device).type != "cpu":
-        return None, topo.intra
-    key = ("gathers", id(dist.group.WORLD), topo.n, topo.ranks_per_node, as_timedelta(timeout))
-    if key not in _GROUPS:
-        n, L, N = topo.n, topo.ranks_per_node, topo.nodes
-        made = []
-        collective(COMPANION, step, lambda: made.append((
-            [new_group(range(k * L, (k + 1) * L), timeout) for k in range(N)],
-            [new_group(range(j, n, L), timeout) for j in range(L)])))
-        _GROUPS[key] = made[0]
-    intra, inter = _GROUPS[key]
-    return inter[topo.local], intra[topo.node]
-
-
 class _NodeBucket(BucketWork):
     """A bucket of the overlapped hierarchical step: phase 1 (node-mean gradient of this rank's
     shard) at ``start``, then pipeline's stages on the inter-node group (check and local step on
@@ -533,7 +512,7 @@ class _NodeBucket(BucketWork):
         if L > 1:
             self.both = torch.empty(L * owned.numel(), dtype=torch.int32, device=owned.device)
             self.work = collective(NODE_GATHER, self.ex.step, all_gather, self.both, owned,
-                                   self.owner.node_group, async_op=True)
+                                   self.owner.topo.intra, async_op=True)
             self.name = NODE_GATHER
             self.node_owned = owned  # alive until the gather is done
             self.owner.intra += (L - 1) * owned.numel() * WORD_BYTES
@@ -561,12 +540,11 @@ class _NodeBucket(BucketWork):
 class OverlapStep:
     """One hierarchical step with ``overlap=True``: ``add`` runs a bucket's phase 1 and starts
     its inter-node exchange (called during backward, bucket by bucket, the same order on every
-    rank); its tally, inter-node all_gather and node gather follow on pipeline's schedule
-    (``Exchange``, module docstring of ``pipeline.py``: on gloo each as soon as the collective
-    before it is complete, on second groups (``gather_groups``), never waiting in a hook; on
-    CUDA lag one). ``finish`` (``Exchange.finish``) waits, takes one skip flag on the device
-    from every rank's header of every bucket, and only then updates the momentum shards and
-    applies (nothing at all when skipped).
+    rank); its tally, inter-node all_gather and node gather are issued when bucket k+1 starts
+    (``Exchange``, lag one: ``pipeline.py``, Ordering), and waited for at ``finish``.
+    ``finish`` (``Exchange.finish``) waits, takes one skip flag on the device from every rank's
+    header of every bucket, and only then updates the momentum shards and applies (nothing at
+    all when skipped).
 
     Per bucket b (its own block space, ``buckets.py``) the layout is ``ShardLayout`` of the
     bucket's tensors: S1_b = shard_blocks(T_b, n), S_b = N S1_b; local rank l owns the bucket's
@@ -578,10 +556,13 @@ class OverlapStep:
                  streams=None, timeout=None):
         self.topo = topo
         check_group_device(dist.group.WORLD, topo.n, torch.device(device))
-        inter, self.node_group = gather_groups(topo, device, step, timeout)
+        # lag one on the topology's groups, also on gloo: issuing each of a bucket's three
+        # collectives once the one before was complete, on second groups (as the flat overlap
+        # does), left most of them to step() and measured slower (2x2 at 10 Gbit/s, 4
+        # interleaved rounds: 673 against 633 ms per step)
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
-                           timeout=timeout, gather_group=inter)
+                           timeout=timeout)
         self.step, self.mode, self.votes = int(step), mode, votes
         self.intra = 0
 

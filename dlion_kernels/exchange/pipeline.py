@@ -31,10 +31,11 @@ next stage is issued depends on the backend:
   order on the second group, whatever the timing, and the hook that starts a bucket never waits
   for another rank. A host wait inside an autograd hook would stop this rank's backward until
   the slowest rank had reached the same bucket, at every bucket (issue 21's timelines).
-- CUDA (NCCL), and gloo on a group without a second one: lag one, as a fixed sequence on one
-  group: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are
-  issued when bucket k+1 starts). On CUDA nothing waits on the host there (below), and the one
-  fixed order on one communicator is what NCCL asks of concurrent collectives.
+- CUDA (NCCL), gloo on a group without a second one, and hierarchy's buckets
+  (``hierarchy.OverlapStep``, measured faster so): lag one, as a fixed sequence on one group:
+  a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
+  when bucket k+1 starts). On CUDA nothing waits on the host there (below), and the one fixed
+  order on one communicator is what NCCL asks of concurrent collectives.
 
 ``finish`` issues what is left, in the same orders, waiting where it must.
 
