@@ -46,15 +46,17 @@ so a parameter, which lies in one bucket, still has one contiguous range of mome
 the rank's momentum buffer is its bucket shards end to end. Per bucket: 1. node reduce_scatter,
 2.-4. the flag goes in the [flag, step] header of the inter-node all_to_all (no separate flag
 collectives), local step, tally, inter-node all_gather; 5. node all_gather of the N received
-headers followed by the aggregate shard, so every rank sees all n headers of every bucket. The
-tally, inter-node gather and node gather of bucket k are issued when bucket k+1 starts (lag
-one), in bucket order on every rank. ``step()`` (``finish``) takes one device skip flag from all
-the headers; momentum update and apply obey it (a NaN on any rank, or ranks on different steps,
-change nothing anywhere; the mismatch then raises), as the flat overlap does. Results are bit
-for bit those without overlap: every element's vote, tie bit and update are the same, and so is
-its node sum for L = 2 (for L > 2 the reduce_scatter may add the L values in another order when
-the element lies in another rank's shard: identical when the sums are exact). Bytes differ by
-each bucket's header words and padding.
+headers followed by the aggregate shard, so every rank sees all n headers of every bucket.
+Phases 1-4 run when the bucket is ready (the reduce-scatter synchronously: the local step needs
+it); the tally, inter-node gather and node gather of bucket k are issued when bucket k+1 starts
+(lag one, ``pipeline.py``, Ordering), in bucket order on every group, and waited for at step().
+``step()`` (``Exchange.finish``) takes one device skip flag from all the headers; the momentum
+update and the apply (pipeline's ``update_momentum`` and ``apply_rows``) obey it (a NaN on any
+rank, or ranks on different steps, change nothing anywhere; the mismatch then raises), as the
+flat overlap does. Results are bit for bit those without overlap: every element's vote, tie
+bit and update are the same, and so is its node sum for L = 2 (for L > 2 the reduce_scatter may
+add the L values in another order when the element lies in another rank's shard: identical when
+the sums are exact). Bytes differ by each bucket's header words and padding.
 
 The momentum is never gathered: a rank holds only its shard. The functional ``fused_dlion_step``
 reads and writes only the shard's elements of the full-size ``exp_avgs`` it is given;
@@ -76,18 +78,18 @@ from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, _check_tensor, check_params
 from .collectives import as_timedelta, collective, new_group
-from .header import HEADER_WORDS, NONFINITE, decide, make_header
+from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
-    _WORD_BYTES,
+    WORD_BYTES,
+    BucketWork,
     Exchange,
     NonFiniteGradientError,
     Row,
     StepStats,
-    Verdict,
-    _BucketWork,
     all_gather,
-    by_dtype,
+    apply_rows,
     check_group_device,
+    update_momentum,
 )
 
 _F32_BYTES = 4
@@ -399,12 +401,12 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         flags = torch.empty(N, dtype=torch.int32, device=device)
         collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
         flag = flags.any().to(torch.int32).view(1)
-        inter += (N - 1) * _WORD_BYTES
+        inter += (N - 1) * WORD_BYTES
     headers = make_header(flag, step)
     if L > 1:
         mine, headers = headers, torch.empty(L * HEADER_WORDS, dtype=torch.int32, device=device)
         collective(HEADERS, step, all_gather, headers, mine, topo.intra, timeout=timeout)
-        intra += (L - 1) * HEADER_WORDS * _WORD_BYTES
+        intra += (L - 1) * HEADER_WORDS * WORD_BYTES
     if decide(headers):  # raises StepMismatchError alike on every rank
         if nonfinite == "raise" and found_inf is None:
             raise NonFiniteGradientError(
@@ -425,9 +427,9 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         if hi > lo:
             part = slice(BLOCK * lo, BLOCK * hi)
             rows.append(Row(grad[part], grad[part], exp_avg[part], lo, s))
-    bucket = _BucketWork(rows, S, ex)
+    bucket = BucketWork(rows, S, ex)
     bucket.start()
-    bucket.reduce()
+    bucket.advance()
     bucket.wait()
     inter += ex.sent
     decide(bucket.header)  # the other nodes' steps (their flags were checked above)
@@ -438,47 +440,111 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     if L > 1:
         aggregate = torch.empty(L * owned.numel(), dtype=torch.int32, device=device)
         collective(NODE_GATHER, step, all_gather, aggregate, owned, topo.intra, timeout=timeout)
-        intra += (L - 1) * owned.numel() * _WORD_BYTES
+        intra += (L - 1) * owned.numel() * WORD_BYTES
     else:
         aggregate = owned
 
-    # the momentum shard: m = b2 m + (1 - b2) g in fp32, the stages' arithmetic
-    for r in rows:
-        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
-        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
-        r.exp_avg.copy_(b2 * r.exp_avg + omb2 * r.grad)
+    # the momentum shard, then every parameter (x only: the rank's momentum is its shard)
+    update_momentum(rows)
     momentum.commit()
-    _apply(stages, segments, layout.offsets, aggregate, N, mode, ternary)
+    offsets = iter(layout.offsets)
+    apply_rows(stages, [Row(p, None, None, next(offsets), s) for s in segments for p in s.params],
+               aggregate, N, mode, ternary, skip=None)
     return stats()
-
-
-def _apply(stages, segments, offsets, aggregate, n, mode, ternary) -> None:
-    """x = x - lr (D + wd x) for every parameter (not the momentum: only the shard has one)."""
-    offset_iter = iter(offsets)
-    for s in segments:
-        rows = [(p, next(offset_iter)) for p in s.params]
-        rows = [(p, off) for p, off in rows if p.numel() > 0]
-        for part in by_dtype(rows):
-            params, offs = zip(*part)
-            work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            # exp_avgs=None: x only; the rank's momentum is its shard, updated above
-            stages.apply(work, None, None, aggregate, list(offs), s.lr, s.weight_decay, 1.0, n,
-                         mode, ternary, skip=None)
-            for p, w in zip(params, work):
-                if w is not p:
-                    p.copy_(w)
 
 
 # ----------------------------------------------------------------------------- overlap
 
 
+class _NodeBucket(BucketWork):
+    """A bucket of the overlapped hierarchical step: phase 1 (node-mean gradient of this rank's
+    shard) at ``start``, then pipeline's stages on the inter-node group (check and local step on
+    the shard, all_to_all, tally, all_gather), then a third stage, the node gather of the N
+    headers received and the aggregate shard. After it ``header`` holds all n ranks' headers
+    (rank order) and ``aggregate`` the bucket's full aggregate; ``apply`` updates the momentum
+    shard and every parameter of the bucket."""
+
+    stages = 2
+
+    def __init__(self, owner: OverlapStep, params, grads, segments, layout: ShardLayout,
+                 exp_avg):
+        super().__init__([], layout.shard, owner.ex)
+        self.owner, self.params, self.grads, self.segments = owner, params, grads, segments
+        self.layout, self.exp_avg = layout, exp_avg
+        # every parameter of the bucket, applied without momentum (the shard has it)
+        self.param_rows = [Row(p, None, None, off, seg)
+                           for p, off, seg in zip(params, layout.offsets, segments)]
+        self.numel = sum(p.numel() for p in params)
+        self.both = None  # the node gather's output, read once it is complete
+
+    def start(self) -> None:
+        owner, ex, layout = self.owner, self.ex, self.layout
+        # 1. node-mean gradient of this rank's shard of the bucket, fp32 sums (a synchronous
+        # collective in the node: the local step needs it)
+        grad, sent = _node_mean_grad(self.params, self.grads, layout, owner.topo, ex.step,
+                                     ex.timeout, ex.device)
+        owner.intra += sent
+        # 2-4. non-finite flag (in the header), local step, inter-node all_to_all: one row per
+        # run of tensors of one param group (each has its own beta1)
+        first = 0
+        while first < len(self.params):
+            last = first + 1
+            while last < len(self.params) and self.segments[last] is self.segments[first]:
+                last += 1
+            lo, hi = layout.block_range(first, last)
+            if hi > lo:
+                part = slice(BLOCK * lo, BLOCK * hi)
+                self.rows.append(Row(grad[part], grad[part], self.exp_avg[part], lo,
+                                     self.segments[first]))
+            first = last
+        super().start()
+
+    def advance(self) -> None:
+        if self.stage == 0:
+            super().advance()  # tally and inter-node all_gather
+            return
+        self.wait()
+        self.stage += 1
+        # 5. node gather: the N headers received, then the aggregate shard
+        L = self.owner.topo.ranks_per_node
+        owned = torch.cat([self.header.reshape(-1), self.aggregate])
+        self.both = owned
+        if L > 1:
+            self.both = torch.empty(L * owned.numel(), dtype=torch.int32, device=owned.device)
+            self.work = collective(NODE_GATHER, self.ex.step, all_gather, self.both, owned,
+                                   self.owner.topo.intra, async_op=True)
+            self.name = NODE_GATHER
+            self.node_owned = owned  # alive until the gather is done
+            self.owner.intra += (L - 1) * owned.numel() * WORD_BYTES
+
+    def wait(self) -> None:
+        super().wait()
+        if self.stage == 2 and self.both is not None:
+            L, N = self.owner.topo.ranks_per_node, self.owner.topo.nodes
+            both, words = self.both.view(L, -1), N * HEADER_WORDS
+            # rank order: node k' local l is rank k' L + l
+            headers = both[:, :words].reshape(L, N, HEADER_WORDS).transpose(0, 1)
+            self.header = headers.reshape(L * N, HEADER_WORDS)
+            self.aggregate = both[:, words:].reshape(-1)  # the bucket's flat aggregate
+            self.both = None
+
+    def apply(self, skip) -> None:
+        ex = self.ex
+        ex.streams.used_on_current([r.grad for r in self.rows])
+        # the momentum shard (kept as it was when skipped), then every parameter, x only
+        update_momentum(self.rows, skip)
+        apply_rows(ex.stages, self.param_rows, self.aggregate, self.owner.topo.nodes, ex.mode,
+                   ex.ternary, skip)
+
+
 class OverlapStep:
-    """One hierarchical step with ``overlap=True``: ``add`` runs a bucket's phases 1-4 and
-    starts its inter-node exchange (called during backward, bucket by bucket, the same order on
-    every rank); the node gather of bucket k (and its inter-node tally and all_gather) is issued
-    when bucket k+1 starts, lag one, or at ``finish``. ``finish`` waits, takes one skip flag on
-    the device from every rank's header of every bucket, and only then updates the momentum
-    shards and applies (nothing at all when skipped).
+    """One hierarchical step with ``overlap=True``: ``add`` runs a bucket's phase 1 and starts
+    its inter-node exchange (called during backward, bucket by bucket, the same order on every
+    rank); its tally, inter-node all_gather and node gather are issued when bucket k+1 starts
+    (``Exchange``, lag one: ``pipeline.py``, Ordering), and waited for at ``finish``.
+    ``finish`` (``Exchange.finish``) waits, takes one skip flag on the device from every rank's
+    header of every bucket, and only then updates the momentum shards and applies (nothing at
+    all when skipped).
 
     Per bucket b (its own block space, ``buckets.py``) the layout is ``ShardLayout`` of the
     bucket's tensors: S1_b = shard_blocks(T_b, n), S_b = N S1_b; local rank l owns the bucket's
@@ -488,123 +554,40 @@ class OverlapStep:
 
     def __init__(self, topo: Topology, *, device, mode, votes, backend, step, nonfinite,
                  streams=None, timeout=None):
-        self.topo, self.timeout = topo, timeout
+        self.topo = topo
         check_group_device(dist.group.WORLD, topo.n, torch.device(device))
+        # lag one on the topology's groups, also on gloo: issuing each of a bucket's three
+        # collectives once the one before was complete, on second groups (as the flat overlap
+        # does), left most of them to step() and measured slower (2x2 at 10 Gbit/s, 4
+        # interleaved rounds: 673 against 633 ms per step)
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
                            timeout=timeout)
         self.step, self.mode, self.votes = int(step), mode, votes
-        self.works: list = []  # [bucket work, layout, [(param, offset, segment)], momentum]
-        self.gathered = 0
         self.intra = 0
-        self.numel = 0
+
+    @property
+    def works(self) -> list:
+        return self.ex.works
 
     def add(self, params, grads, segments, layout: ShardLayout, exp_avg) -> None:
         """One bucket: ``params`` with ``grads`` (None = zero) and each one's ``Segment``, laid
         out by ``layout``; ``exp_avg`` is the rank's momentum shard of the bucket."""
-        ex, topo = self.ex, self.topo
-        S, device = layout.shard, ex.device
-        ex.streams.side_waits_current()
-        ex.streams.used_on_side(grads)
-        with ex.streams.on_side():
-            # 1. node-mean gradient of this rank's shard of the bucket, fp32 sums
-            grad, sent = _node_mean_grad(params, grads, layout, topo, self.step, self.timeout,
-                                         device)
-            self.intra += sent
-            # 2-4. non-finite flag (in the header), local step, inter-node all_to_all: one row
-            # per run of tensors of one param group (each has its own beta1)
-            rows, first = [], 0
-            while first < len(params):
-                last = first + 1
-                while last < len(params) and segments[last] is segments[first]:
-                    last += 1
-                lo, hi = layout.block_range(first, last)
-                if hi > lo:
-                    part = slice(BLOCK * lo, BLOCK * hi)
-                    rows.append(Row(grad[part], grad[part], exp_avg[part], lo, segments[first]))
-                first = last
-            bucket = _BucketWork(rows, S, ex)
-            bucket.start()
-            self.works.append([bucket, layout,
-                               list(zip(params, layout.offsets, segments)), exp_avg])
-            self.numel += sum(p.numel() for p in params)
-            self._gather_upto(len(self.works) - 1)
-
-    def _gather_upto(self, k: int) -> None:
-        """Tally, inter-node all_gather and node gather of buckets before ``k``."""
-        topo, L, N = self.topo, self.topo.ranks_per_node, self.topo.nodes
-        while self.gathered < k:
-            entry = self.works[self.gathered]
-            bucket = entry[0]
-            bucket.reduce()
-            bucket.wait()
-            owned = torch.cat([bucket.header.reshape(-1), bucket.aggregate])
-            if L > 1:
-                both = torch.empty(L * owned.numel(), dtype=torch.int32, device=owned.device)
-                collective(NODE_GATHER, self.step, all_gather, both, owned, topo.intra,
-                           timeout=self.timeout)
-                self.intra += (L - 1) * owned.numel() * _WORD_BYTES
-            else:
-                both = owned
-            both = both.view(L, -1)
-            words = N * HEADER_WORDS
-            # rank order: node k' local l is rank k' L + l
-            headers = both[:, :words].reshape(L, N, HEADER_WORDS).transpose(0, 1)
-            entry.append(headers.reshape(L * N, HEADER_WORDS))
-            entry.append(both[:, words:].reshape(-1))  # the bucket's flat aggregate
-            self.gathered += 1
+        self.ex.add_work(_NodeBucket(self, params, grads, segments, layout, exp_avg), grads)
 
     def abandon(self) -> None:
         """Issue and wait for the rest of this step's collectives; apply nothing."""
-        with self.ex.streams.on_side():
-            self._gather_upto(len(self.works))
+        self.ex.abandon()
 
     def finish(self) -> HierarchicalStepStats:
         """Waits, decides for all buckets and all n ranks at once, and applies;
         ``self.verdict`` holds the decision (read on the host here)."""
-        ex, N, device = self.ex, self.topo.nodes, self.ex.device
-        with ex.streams.on_side():
-            self._gather_upto(len(self.works))
-            if self.works:
-                headers = torch.stack([w[4] for w in self.works])  # [buckets, n, 2]
-                skip = ((headers[..., 0] & NONFINITE).amax()
-                        | (headers[..., 1] != headers[0, 0, 1]).any()).view(1)
-            else:
-                headers = torch.zeros(0, self.topo.n, HEADER_WORDS, dtype=torch.int32,
-                                      device=device)
-                skip = None
-        ex.streams.current_waits_side()
-        ex.streams.used_on_current([w[5] for w in self.works] + [headers])
-        for bucket, _, entries, _, _, aggregate in self.works:
-            # the momentum shard, m = b2 m + (1 - b2) g (the arithmetic of the step without
-            # overlap), kept as it was when skipped
-            for r in bucket.rows:
-                b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
-                omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
-                r.exp_avg.copy_(torch.where(skip != 0, r.exp_avg, b2 * r.exp_avg + omb2 * r.grad))
-            _apply_bucket(ex.stages, entries, aggregate, N, self.mode, ex.ternary, skip)
-        self.verdict = Verdict(headers, skip, ex.nonfinite, False, False)
-        skipped = self.verdict.resolve()  # raises a step mismatch / NonFiniteGradientError
-        inter = ex.sent
+        ex = self.ex
+        stats = ex.finish()  # raises a step mismatch / NonFiniteGradientError
+        self.verdict = ex.verdict
         return HierarchicalStepStats(
-            bytes_sent=self.intra + inter, bytes_received=self.intra + inter, numel=self.numel,
-            world_size=self.topo.n, mode=self.mode, votes=self.votes, backend=ex.backend,
-            skipped=skipped, buckets=len(self.works), intra_node_bytes_sent=self.intra,
-            inter_node_bytes_sent=inter, nodes=N, ranks_per_node=self.topo.ranks_per_node)
-
-
-def _apply_bucket(stages, entries, aggregate, n, mode, ternary, skip) -> None:
-    """x = x - lr (D + wd x) for a bucket's parameters, unless ``skip`` (device flag)."""
-    runs: dict = {}
-    for p, off, seg in entries:
-        if p.numel() > 0:
-            runs.setdefault(id(seg), (seg, []))[1].append((p, off))
-    for seg, rows in runs.values():
-        for part in by_dtype(rows):
-            params, offs = zip(*part)
-            work = [p if p.is_contiguous() else p.contiguous() for p in params]
-            stages.apply(work, None, None, aggregate, list(offs), seg.lr, seg.weight_decay, 1.0,
-                         n, mode, ternary, skip=skip)
-            for p, w in zip(params, work):
-                if w is not p:
-                    p.copy_(w)
+            bytes_sent=self.intra + ex.sent, bytes_received=self.intra + ex.sent,
+            numel=stats.numel, world_size=self.topo.n, mode=self.mode, votes=self.votes,
+            backend=ex.backend, skipped=stats.skipped, buckets=stats.buckets,
+            intra_node_bytes_sent=self.intra, inter_node_bytes_sent=ex.sent,
+            nodes=self.topo.nodes, ranks_per_node=self.topo.ranks_per_node)

@@ -19,17 +19,32 @@ collective; the header costs 8 bytes per peer per bucket. Momentum is written on
 gradient on any rank leaves every parameter and momentum of every rank unchanged even though the
 votes of earlier buckets were exchanged during backward.
 
-Ordering. The collectives of a step are issued in the same order on every rank, whatever the
-timing: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
-when bucket k+1 starts, lag one, so a host wait on bucket k's all_to_all -- only gloo waits on
-the host -- usually finds it complete), then the remaining reduces at ``finish``.
+Ordering. gloo and NCCL pair a group's collectives by the order in which each rank issues
+them, so every group must see its collectives in the same order on every rank. A bucket's stages
+are issued in bucket order (bucket k+1 never issues a stage before bucket k has), and when the
+next stage is issued depends on the backend:
+
+- gloo, with a second group for the gathers (``companion``: the overlapped step of
+  ``DistributedLion`` and the DDP comm hook, on a group of every rank): each bucket's tally and
+  all_gather are issued as soon as its all_to_all is complete, checked without waiting whenever
+  a bucket starts. The all_to_alls are in bucket order on the group and the gathers in bucket
+  order on the second group, whatever the timing, and the hook that starts a bucket never waits
+  for another rank. A host wait inside an autograd hook would stop this rank's backward until
+  the slowest rank had reached the same bucket, at every bucket (issue 21's timelines).
+- CUDA (NCCL), gloo on a group without a second one, and hierarchy's buckets
+  (``hierarchy.OverlapStep``, measured faster so): lag one, as a fixed sequence on one group:
+  a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
+  when bucket k+1 starts). On CUDA nothing waits on the host there (below), and the one fixed
+  order on one communicator is what NCCL asks of concurrent collectives.
+
+``finish`` issues what is left, in the same orders, waiting where it must.
 
 Streams (CUDA; on CPU every call below is a no-op and the same code runs):
 - ``start`` runs where the gradient was produced (the autograd thread, its current stream S).
   It records an event on S and makes the side stream C wait on it (``C.wait_event``; the host
   does not wait). The check, the local step, the header copy and the all_to_all are issued on C,
   so NCCL's stream follows C, and backward goes on on S.
-- ``reduce`` runs on C too: ``work.wait()`` makes C (not the host) wait for NCCL; the tally and
+- ``advance`` runs on C too: ``work.wait()`` makes C (not the host) wait for NCCL; the tally and
   the all_gather follow on C. The tally is on the communication side.
 - ``finish`` makes the caller's stream wait for C (``wait_stream``, an event) and applies there.
   Buffers cross streams with ``record_stream`` so the caching allocator does not reuse them
@@ -52,13 +67,15 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import aggregate_planes, shard_blocks, vote_planes
-from .collectives import collective
+from .collectives import collective, group_timeout
 from .collectives import wait as wait_work
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
-_WORD_BYTES = 4
-# Names of the two collectives in errors (DistributedStepError) and in the fault tests
+WORD_BYTES = 4
+# Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
+# the making of the gathers' group (once per group, at its first overlapped step)
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
+COMPANION = "new_group(gathers)"
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -102,11 +119,12 @@ class Segment:
 @dataclass
 class Row:
     """One tensor of a bucket: contiguous param/grad/momentum, its block offset in the bucket,
-    and the segment whose hyper-parameters apply to it."""
+    and the segment whose hyper-parameters apply to it. ``exp_avg`` None: a parameter applied
+    without momentum (``apply_rows``)."""
 
     param: torch.Tensor
     grad: torch.Tensor | None
-    exp_avg: torch.Tensor
+    exp_avg: torch.Tensor | None
     offset: int
     segment: Segment
 
@@ -136,6 +154,35 @@ def check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError("CPU tensors need a gloo process group; this group uses NCCL")
     if device.type == "cuda" and "nccl" not in name:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
+
+
+_COMPANIONS: dict = {}
+
+
+def companion(group, device, step):
+    """The gathers' group of ``group`` (None: the default group) for overlapped exchanges on
+    ``device``: a second gloo group with the same ranks, in the same order, and the same timeout,
+    made once per group and kept; None where there is none (module docstring, Ordering): CUDA,
+    one rank, or a group that does not hold every rank of the job (``dist.new_group`` must be
+    called by every rank of the job in the same order, so only a group of every rank gets one,
+    at its first overlapped step, which every rank reaches at the same point of its program).
+
+    Making it is a collective of step ``step``: a peer that dies then raises
+    ``DistributedStepError`` naming ``COMPANION``."""
+    if torch.device(device).type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(pg)
+    if size == 1 or size != dist.get_world_size():
+        return None
+    if pg not in _COMPANIONS:
+        ranks = dist.get_process_group_ranks(pg)  # group rank order: the gathers' output order
+        timeout = group_timeout(pg) or group_timeout()
+        made = []
+        collective(COMPANION, step, lambda: made.append(
+            dist.new_group(ranks, timeout=timeout, sort_ranks=False)))
+        _COMPANIONS[pg] = made[0]
+    return _COMPANIONS[pg]
 
 
 def by_dtype(items):
@@ -185,14 +232,43 @@ class Streams:
 # ----------------------------------------------------------------------------- one bucket
 
 
-class _BucketWork:
-    """One bucket of one step: the buffers and in-flight work of its two collectives."""
+class BucketWork:
+    """One bucket of one step: its buffers and the collective in flight.
+
+    ``start`` issues the all_to_all (after the check and the local step); each ``advance`` waits
+    for the collective in flight and issues the next stage (here one: the tally and the
+    all_gather; hierarchy's node gather adds one), ``wait`` waits for the last one. ``stage``
+    counts the stages issued after ``start``."""
+
+    stages = 1
 
     def __init__(self, rows, blocks, ex: Exchange):
         self.rows, self.blocks, self.ex = rows, blocks, ex
         self.numel = sum(r.param.numel() for r in rows)
         self.shard = shard_blocks(blocks, ex.n)
-        self.a2a = self.gather = None
+        self.stage = 0
+        self.work = self.name = None  # the collective in flight and its name
+
+    def more(self) -> bool:
+        """Whether a stage is left to issue."""
+        return self.stage < self.stages
+
+    def arrived(self) -> bool:
+        """Whether the collective in flight is complete (never waits)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> None:
+        """Wait for the collective in flight (CUDA: the side stream waits, not the host, unless
+        a timeout is given)."""
+        if self.work is not None:
+            wait_work(self.work, self.ex.step, self.name, self.ex.timeout)
+            self.work = None
+
+    def advance(self) -> None:
+        """Wait for the collective in flight and issue the next stage."""
+        self.wait()
+        self.stage += 1
+        self.reduce()
 
     def start(self) -> None:
         ex, n, shard = self.ex, self.ex.n, self.shard
@@ -218,15 +294,15 @@ class _BucketWork:
             self.received = self.send
         else:
             self.received = torch.empty_like(self.send)
-            self.a2a = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
-                                  self.send.view(-1), group=ex.group, async_op=True)
-            ex.sent += (n - 1) * width * _WORD_BYTES
+            self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
+                                   self.send.view(-1), group=ex.group, async_op=True)
+            self.name = A2A
+            ex.sent += (n - 1) * width * WORD_BYTES
 
     def reduce(self) -> None:
+        """Stage 1, once the all_to_all is complete: tally the owned shard, gather the
+        aggregate (on the exchange's gathers' group)."""
         ex, n = self.ex, self.ex.n
-        if self.a2a is not None:
-            # CUDA: the side stream waits for NCCL, not the host (unless a timeout is given)
-            wait_work(self.a2a, ex.step, A2A, ex.timeout)
         self.header = self.received[:, :HEADER_WORDS]
         stacked = self.received[:, HEADER_WORDS:].contiguous()
         if n == 1:
@@ -238,27 +314,49 @@ class _BucketWork:
         ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.step)
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
                                      device=ex.device)
-        self.gather = collective(GATHER, ex.step, all_gather, self.aggregate, owned, ex.group,
-                                 async_op=True)
+        self.work = collective(GATHER, ex.step, all_gather, self.aggregate, owned,
+                               ex.gather_group, async_op=True)
+        self.name = GATHER
         self.owned = owned  # alive until the gather is done
-        ex.sent += (n - 1) * self.shard * ex.p_out * _WORD_BYTES
-
-    def wait(self) -> None:
-        if self.gather is not None:
-            wait_work(self.gather, self.ex.step, GATHER, self.ex.timeout)
+        ex.sent += (n - 1) * self.shard * ex.p_out * WORD_BYTES
 
     def apply(self, skip) -> None:
         ex = self.ex
-        rows = [r for r in self.rows if r.param.numel() > 0]
-        for seg_rows in _by_segment(rows):
-            s = seg_rows[0].segment
-            # one launch per (parameter dtype, gradient dtype); None gradients ride along
-            for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
-                for sub in by_dtype([(g, p, m, off) for p, g, m, off in part]):
-                    g, p, m, off = zip(*sub)
-                    ex.stages.apply(list(p), list(g), list(m), self.aggregate, list(off), s.lr,
-                                    s.weight_decay, s.beta2, ex.n, ex.mode, ex.ternary,
-                                    skip=skip)
+        apply_rows(ex.stages, self.rows, self.aggregate, ex.n, ex.mode, ex.ternary, skip)
+
+
+def apply_rows(stages, rows, aggregate, n, mode, ternary, skip) -> None:
+    """The protocol's apply, for ``rows`` laid out in ``aggregate``'s block space: x = x - lr
+    (D + wd x) for each row's parameter and, for rows with a momentum, m = b2 m + (1 - b2) g in
+    the same launch (rows with ``exp_avg`` None: x only, as hierarchy's, whose momentum is a
+    shard: ``update_momentum``); nothing at all when ``skip`` (int32 [1] on the device) is set.
+    One launch per param group and (parameter dtype, gradient dtype); None gradients ride along;
+    a non-contiguous parameter is worked on through a copy written back."""
+    rows = [r for r in rows if r.param.numel() > 0]  # empty tensors own no block
+    for seg_rows in _by_segment(rows):
+        s = seg_rows[0].segment
+        for part in by_dtype([(r.param, r.grad, r.exp_avg, r.offset) for r in seg_rows]):
+            for sub in by_dtype([(g, p, m, off) for p, g, m, off in part]):
+                g, p, m, off = zip(*sub)
+                work = [x if x.is_contiguous() else x.contiguous() for x in p]
+                momentum = None if m[0] is None else list(m)
+                stages.apply(work, list(g), momentum, aggregate, list(off), s.lr,
+                             s.weight_decay, s.beta2, n, mode, ternary, skip=skip)
+                for x, w in zip(p, work):
+                    if w is not x:
+                        x.copy_(w)
+
+
+def update_momentum(rows, skip=None) -> None:
+    """m = b2 m + (1 - b2) g in fp32 for ``rows`` whose momentum the apply does not update
+    (``exp_avg`` of a row other than its parameter's own: hierarchy's shards); kept as it was
+    where ``skip`` (device flag) is set."""
+    for r in rows:
+        device = r.exp_avg.device
+        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
+        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+        new = b2 * r.exp_avg + omb2 * r.grad
+        r.exp_avg.copy_(new if skip is None else torch.where(skip != 0, r.exp_avg, new))
 
 
 def _by_segment(rows):
@@ -309,16 +407,22 @@ class Verdict:
 class Exchange:
     """The exchanges of one step, bucket by bucket.
 
-    ``add(rows, blocks)`` starts a bucket (and reduces the previous one); ``finish()`` reduces
-    what is left, waits, decides skip/raise for all buckets at once, applies and returns the
-    step's ``StepStats``. ``timeout`` (seconds, a timedelta or None: the group's own) bounds each
-    wait for a collective. Rows' segments are read at ``add`` for beta1 and at ``finish`` for
-    lr, beta2 and weight_decay (so an LR scheduler between backward and step takes effect).
+    ``add(rows, blocks)`` starts a bucket (and moves the earlier ones on, module docstring:
+    Ordering); ``finish()`` issues what is left, waits, decides skip/raise for all buckets at
+    once, applies and returns the step's ``StepStats``. ``timeout`` (seconds, a timedelta or
+    None: the group's own) bounds each wait for a collective. ``gather_group``: None (the
+    gathers go on ``group``, lag one) or a second group of the same ranks (``companion``; gloo):
+    buckets then move as soon as their collective in flight is complete, never waiting. Rows'
+    segments are read at ``add`` for beta1 and at ``finish`` for lr, beta2 and weight_decay (so
+    an LR scheduler between backward and step takes effect).
     """
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
-                 found_inf=None, streams: Streams | None = None, timeout=None):
+                 found_inf=None, streams: Streams | None = None, timeout=None,
+                 gather_group=None):
         self.group, self.n = resolve_group(group)
+        self.poll = gather_group is not None
+        self.gather_group = gather_group if self.poll else self.group
         self.timeout = timeout
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
@@ -330,8 +434,7 @@ class Exchange:
         self.step = int(step)
         self.found_inf = found_inf  # GradScaler's overflow check replaces the scan (header.py)
         self.streams = streams if streams is not None else Streams(self.device)
-        self.works: list[_BucketWork] = []
-        self.reduced = 0
+        self.works: list[BucketWork] = []
         self.sent = 0
         self.write_back: list = []
 
@@ -349,25 +452,41 @@ class Exchange:
         return c
 
     def add(self, rows: list[Row], blocks: int) -> None:
-        work = _BucketWork(rows, blocks, self)
+        self.add_work(BucketWork(rows, blocks, self), [r.grad for r in rows])
+
+    def add_work(self, work: BucketWork, inputs) -> None:
+        """Start ``work`` (``inputs``: the tensors it reads that the caller's stream made), then
+        move the earlier buckets on: every one whose collective in flight is complete
+        (``gather_group``), or the previous ones, lag one."""
         self.streams.side_waits_current()
-        self.streams.used_on_side([r.grad for r in rows])
+        self.streams.used_on_side(inputs)
         with self.streams.on_side():
             work.start()
             self.works.append(work)
-            if len(self.works) >= 2:  # lag one: the previous bucket's tally and gather
-                self._reduce_upto(len(self.works) - 1)
+            if self.poll:
+                self._progress(len(self.works), block=False)
+            else:
+                self._progress(len(self.works) - 1, block=True)
 
-    def _reduce_upto(self, k: int) -> None:
-        while self.reduced < k:
-            self.works[self.reduced].reduce()
-            self.reduced += 1
+    def _progress(self, upto: int, block: bool) -> None:
+        """Issue the next stages of buckets ``[0, upto)``, one stage per bucket per pass, in
+        bucket order: a bucket never issues a stage that the bucket ahead of it has not issued,
+        so every group sees its collectives in bucket order. ``block``: wait for each collective
+        in flight; otherwise move only buckets whose collective in flight is complete."""
+        moved = True
+        while moved:
+            moved, ahead = False, None  # ahead: stages issued by the bucket ahead (None: all)
+            for w in self.works[:upto]:
+                if w.more() and (ahead is None or w.stage < ahead) and (block or w.arrived()):
+                    w.advance()
+                    moved = True
+                ahead = w.stage if w.more() else None
 
     def abandon(self) -> None:
         """Issue and wait for the rest of this step's collectives (so every rank's sequence
         stays matched) and apply nothing."""
         with self.streams.on_side():
-            self._reduce_upto(len(self.works))
+            self._progress(len(self.works), block=True)
             for w in self.works:
                 w.wait()
 
@@ -376,7 +495,7 @@ class Exchange:
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
         resolves ``self.verdict``."""
         with self.streams.on_side():
-            self._reduce_upto(len(self.works))
+            self._progress(len(self.works), block=True)
             for w in self.works:
                 w.wait()
             if self.works:

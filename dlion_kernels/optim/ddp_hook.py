@@ -4,7 +4,9 @@ Hugging Face Trainer, Accelerate and Lightning wrap the model in DDP themselves.
 DDP's own buckets run the D-Lion exchange instead of the gradient all-reduce: when DDP has a
 bucket's gradients (in its flat buffer, during backward, in the same bucket order on every rank),
 the hook starts that bucket's check, local step and ``all_to_all`` (``DistributedLion``'s
-bucket path, ``exchange/pipeline.py``), and ``opt.step()`` finishes the exchanges and applies.
+bucket path, ``exchange/pipeline.py``; on gloo the tally and gather of every earlier bucket whose
+``all_to_all`` is complete follow, without waiting for any), and ``opt.step()`` finishes the
+exchanges and applies.
 
 The hook returns a completed future holding DDP's own buffer, untouched: DDP copies it back into
 ``.grad``, so every rank keeps its *local* gradient (its momentum needs exactly that), and no

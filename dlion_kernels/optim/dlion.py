@@ -17,7 +17,7 @@ from ..exchange.checks import (
 )
 from ..exchange.collectives import as_timedelta
 from ..exchange.copying import Copyable, attached_group
-from ..exchange.pipeline import Exchange, Segment, StepStats, Streams
+from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -299,11 +299,15 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             device = params[0].device if params else torch.device("cpu")
             if self._streams is None or self._streams.device != device:
                 self._streams = Streams(device)
+            group = attached_group(self.group, self)
+            overlapped = self._engine is not None or self._ddp_hooked  # buckets in backward
             self._exchange = Exchange(device=device, mode=self.mode, votes=self.votes,
-                                      group=attached_group(self.group, self),
-                                      backend=self.backend, step=step, nonfinite=self.nonfinite,
-                                      found_inf=self._found_inf, streams=self._streams,
-                                      timeout=getattr(self, "timeout", None))
+                                      group=group, backend=self.backend, step=step,
+                                      nonfinite=self.nonfinite, found_inf=self._found_inf,
+                                      streams=self._streams,
+                                      timeout=getattr(self, "timeout", None),
+                                      gather_group=companion(group, device, step)
+                                      if overlapped else None)
             self._exchanged = set()
         return self._exchange
 

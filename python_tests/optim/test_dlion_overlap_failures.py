@@ -17,7 +17,7 @@ import torch.distributed as dist
 from faults import Fault, attempt, check_survivors, run_with_fault, snapshot
 
 import dlion_kernels as dk
-from dlion_kernels.exchange.pipeline import A2A, GATHER
+from dlion_kernels.exchange.pipeline import A2A, COMPANION, GATHER
 
 PG_TIMEOUT = 5.0  # seconds: the group's own timeout, or DistributedLion(timeout=)
 MARGIN = 15.0  # spawn jitter on a shared 2-core machine
@@ -82,6 +82,9 @@ CASES = [
     # The victim dies before the last bucket's gather, which step() issues: backward completes.
     ("group", "kill", "before:" + GATHER, BUCKETS, {GATHER}, {"step"}),
     ("timeout", "stop", "before:" + GATHER, BUCKETS, {GATHER}, {"step"}),
+    # The victim dies before the gathers' second group is made, at the first exchange on
+    # the optimizer's new group (bucket 0 of the step, during backward).
+    ("group", "kill", "before:" + COMPANION, 1, {COMPANION}, {"backward"}),
     ("ddp", "kill", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
     ("ddp", "stop", "before:" + GATHER, DDP_BUCKETS, {GATHER}, {"step"}),
 ]
