@@ -245,8 +245,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def _build_engine(self) -> None:
         if self._engine is not None:
             self._engine.remove()
-        params = [p for g in self.param_groups for p in g["params"]]
-        self._engine = BucketEngine(params, bucket_mb=self.bucket_mb,
+        self._engine = BucketEngine(self._trainable(), bucket_mb=self.bucket_mb,
                                     group=attached_group(self.group, self),
                                     on_ready=self._bucket_ready)
 
@@ -254,7 +253,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if self.ranks_per_node > 1:
             self._hierarchical_bucket(bucket)
         else:
-            self._exchange_bucket(bucket.params)
+            self._exchange_bucket(bucket.params, layout=(bucket.offsets, bucket.blocks))
 
     def _refuse_scaler(self, grad_scaler) -> None:
         scaled = (grad_scaler is not None and grad_scaler.is_enabled()) or any(
@@ -284,21 +283,43 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             return contextlib.nullcontext()
         return self._engine.no_sync()
 
+    # ------------------------------------------------------------------------- one step
+
+    def _trainable(self) -> list:
+        """The parameters that take part in a step, in param group order."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _begin(self) -> tuple[int, torch.device]:
+        """What every path needs once at the start of a step (the first bucket, or step()):
+        the last step's decision settled, ``self._segments`` (one ``Segment`` per param group:
+        the one way they are built; each path fills in its tensors), ``self._group_of``
+        (parameter id -> its group's index), and the streams. Returns (step counter, device)."""
+        self._settle()  # the step counters of the last step, for this step's header
+        self._segments, self._group_of = [], {}
+        for k, g in enumerate(self.param_groups):
+            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
+                                          float(g["weight_decay"])))
+            self._group_of.update((id(p), k) for p in g["params"])
+        params = self._trainable()
+        step = max((self.state[p].get("step", 0) for p in params), default=0)
+        device = params[0].device if params else torch.device("cpu")
+        if self._streams is None or self._streams.device != device:
+            self._streams = Streams(device)
+        return step, device
+
+    def _refresh(self) -> None:
+        """lr, beta2 and weight_decay apply when the step applies (a scheduler may have changed
+        them since backward started the step); beta1 was read by the local step."""
+        for seg, g in zip(self._segments, self.param_groups):
+            _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+
     def _start_step(self) -> Exchange:
         """The exchange of this step, created when its first bucket starts."""
         self._runtime()
         if self._exchange is None:
-            self._settle()  # the step counters of the last step, for this step's header
-            self._segments = []
-            for g in self.param_groups:
-                beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
-                                              float(g["weight_decay"])))
-            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-            step = max((self.state[p].get("step", 0) for p in params), default=0)
-            device = params[0].device if params else torch.device("cpu")
-            if self._streams is None or self._streams.device != device:
-                self._streams = Streams(device)
+            step, device = self._begin()
             self._exchange = Exchange(device=device, mode=self.mode, votes=self.votes,
                                       group=attached_group(self.group, self),
                                       backend=self.backend, step=step, nonfinite=self.nonfinite,
@@ -307,12 +328,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._exchanged = set()
         return self._exchange
 
-    def _exchange_bucket(self, params, grads=None) -> None:
+    def _exchange_bucket(self, params, grads=None, layout=None) -> None:
         """Start the exchange of one bucket: ``params`` (requires_grad) with ``grads`` (default:
-        their ``.grad``), laid out from block 0 in this order."""
+        their ``.grad``), laid out from block 0 in this order; ``layout``: their (block offsets,
+        blocks) when the caller has them (the bucket engine's), else computed here."""
         with torch.no_grad():
             ex = self._start_step()
-            group_of = self._group_index()
             grads = [p.grad for p in params] if grads is None else list(grads)
             exp_avgs = []
             for p in params:
@@ -323,15 +344,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                                    device=p.device)
                 exp_avgs.append(state["exp_avg"])
             check_tensors(list(params), grads, exp_avgs)
-            offsets, blocks = block_offsets(p.numel() for p in params)
+            offsets, blocks = layout if layout is not None else block_offsets(
+                p.numel() for p in params)
             rows = []
             for p, g, m, off in zip(params, grads, exp_avgs, offsets):
-                rows.append(ex.row(p, g, m, off, self._segments[group_of[id(p)]]))
+                rows.append(ex.row(p, g, m, off, self._segments[self._group_of[id(p)]]))
                 self._exchanged.add(id(p))
             ex.add(rows, blocks)
-
-    def _group_index(self) -> dict[int, int]:
-        return {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):
@@ -362,16 +381,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         try:
             if self._engine is not None:
                 self._engine.flush()  # buckets never made ready this step (unused parameters)
-            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            params = self._trainable()
             rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
                 else params
             if rest or self._exchange is None:
                 self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
             ex, self._exchange = self._exchange, None
-            for seg, g in zip(self._segments, self.param_groups):
-                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
-                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            self._refresh()
             # Nothing can raise from this step's decision: leave it on the device (no host sync)
             defer = (device.type == "cuda" or self._defer_on_cpu) and (
                 self.nonfinite == "skip" or self._found_inf is not None)
@@ -390,26 +406,26 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._pending = (ex.verdict, stats, params, ex.step)
         return loss
 
+    # ------------------------------------------------------------------------- hierarchy
+
     def _hierarchical_step(self, found_inf=None) -> StepStats:
         """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``;
         ``found_inf``: the GradScaler's local overflow flag (``amp.before_exchange``) or None."""
-        segments, states = [], []
-        for g in self.param_groups:
-            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-            params = [p for p in g["params"] if p.requires_grad]
-            for p in params:
+        step, _ = self._begin()
+        states = []
+        for seg, g in zip(self._segments, self.param_groups):
+            seg.params = [p for p in g["params"] if p.requires_grad]
+            seg.grads = [p.grad for p in seg.params]
+            for p in seg.params:
                 states.append(self.state[p])
                 states[-1].setdefault("step", 0)  # the momentum shard comes at the step
-            segments.append(Segment(params, [p.grad for p in params], [], float(g["lr"]), beta1,
-                                    beta2, float(g["weight_decay"])))
-        hier.check_tensors(*[sum((getattr(s, k) for s in segments), []) for k in ("params",
-                                                                                  "grads")])
-        step = max((state["step"] for state in states), default=0)
+        hier.check_tensors(*[sum((getattr(s, k) for s in self._segments), [])
+                             for k in ("params", "grads")])
         if getattr(self, "_shard", None) is None:
             self._shard = hier.ShardedMomentum()
         self._shard.states = states  # new dicts after load_state_dict: the shard is rebuilt
         stats = hier.run_hierarchical_step(
-            segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
+            self._segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
             votes=self.votes, group=self.group, backend=self.backend, step=step,
             nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None),
             found_inf=found_inf)
@@ -418,8 +434,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 state["step"] = step + 1
         return stats
 
-    # ------------------------------------------------------------------------- hierarchy
-
     def _hierarchical_bucket(self, bucket) -> None:
         """A bucket's hierarchical phases 1-4 and its node gather (exchange/hierarchy.py
         ``OverlapStep``), during backward. The first bucket of a step lays out the momentum
@@ -427,22 +441,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         with torch.no_grad():
             hs = getattr(self, "_hier_step", None)
             if hs is None:
-                self._settle()
-                self._segments, group_of = [], {}
-                for k, g in enumerate(self.param_groups):
-                    beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                    self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
-                                                  float(g["weight_decay"])))
-                    for p in g["params"]:
-                        group_of[id(p)] = k
-                        if p.requires_grad:
-                            self.state[p].setdefault("step", 0)
-                self._hier_group_of = group_of
-                params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-                step = max((self.state[p]["step"] for p in params), default=0)
-                device = params[0].device if params else torch.device("cpu")
-                if self._streams is None or self._streams.device != device:
-                    self._streams = Streams(device)
+                step, device = self._begin()
+                for p in self._trainable():
+                    self.state[p].setdefault("step", 0)
                 timeout = getattr(self, "timeout", None)
                 topo = hier.topology(self.group, self.ranks_per_node, timeout)
                 buckets = self._engine.buckets
@@ -458,7 +459,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 hs = self._hier_step = hier.OverlapStep(
                     topo, device=device, mode=self.mode, votes=self.votes, backend=self.backend,
                     step=step, nonfinite=self.nonfinite, streams=self._streams, timeout=timeout)
-            segments = [self._segments[self._hier_group_of[id(p)]] for p in bucket.params]
+            segments = [self._segments[self._group_of[id(p)]] for p in bucket.params]
             hs.add(bucket.params, [p.grad for p in bucket.params], segments,
                    self._hier_layouts[bucket.index], self._hier_momentum[bucket.index])
 
@@ -473,18 +474,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             hs, self._hier_step = getattr(self, "_hier_step", None), None
             if hs is None:  # no parameter takes part: nothing to exchange or apply
                 return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
-            for seg, g in zip(self._segments, self.param_groups):
-                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
-                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            self._refresh()
             stats = hs.finish()
         finally:
             self._hier_step = None
         if not stats.skipped:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.requires_grad:
-                        self.state[p]["step"] = hs.step + 1
+            for p in self._trainable():
+                self.state[p]["step"] = hs.step + 1
         return stats
 
     def load_state_dict(self, state_dict: dict) -> None:
