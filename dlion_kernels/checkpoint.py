@@ -30,7 +30,7 @@ the old ranks' floating-point state (momenta), accumulated in float64 in rank or
 ranks start with the same momentum; integer and other entries (step counts) are taken from old
 rank 0 and must agree on all old ranks. The mean of the momenta is the momentum of the mean
 gradient, the natural estimate when the data split changes. Resizing a checkpoint saved with a
-hierarchy (sharded momentum) is refused.
+hierarchy (sharded momentum) or with FSDP2 parameters (docs/fsdp.md) is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .exchange.collectives import collective
+from .exchange.sharded import is_dtensor
 
 FORMAT = "dlion_kernels.checkpoint"
 FORMAT_VERSION = 1
@@ -345,11 +346,23 @@ def _check_fits(obj, state, where: str) -> None:
             raise CheckpointError(f"{where}: param group {i} has {len(s.get('params', ()))} "
                                   f"parameters saved, the optimizer has {len(g['params'])}")
         params += list(zip(s["params"], g["params"]))
+    current = getattr(obj, "state", {})
     for pid, p in params:
+        mine = current.get(p, {}) if isinstance(current, dict) else {}
         for key, value in state["state"].get(pid, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+            # the optimizer's own state when it has one (FSDP2 momenta: (replicas, *p.shape))
+            like = mine.get(key) if isinstance(mine.get(key), torch.Tensor) else p
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != like.shape:
                 raise CheckpointError(f"{where}: state {key!r} of parameter {pid} has shape "
-                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                                      f"{tuple(value.shape)}, this optimizer's is "
+                                      f"{tuple(like.shape)}")
+
+
+def _has_dtensor(state) -> bool:
+    """Whether an optimizer state dict holds DTensors (FSDP2 parameters' momenta)."""
+    per_param = state.get("state") if isinstance(state, dict) else None
+    return isinstance(per_param, dict) and any(
+        is_dtensor(v) for s in per_param.values() if isinstance(s, dict) for v in s.values())
 
 
 def _prepare(obj, directory: str, rank: int, n: int):
@@ -375,6 +388,11 @@ def _prepare(obj, directory: str, rank: int, n: int):
                               f"{manifest['hierarchy']!r} (sharded momentum); it can be loaded on "
                               f"{n_old} ranks only, not {n}")
     first = _read_rank_file(directory, files[0])
+    if _has_dtensor(first):
+        raise CheckpointError(f"{where}: saved on {n_old} ranks with FSDP2 parameters (a "
+                              "DTensor momentum piece per rank); it can be loaded on the same "
+                              f"mesh of {n_old} ranks only, not {n} (torch.distributed.checkpoint "
+                              "reshards it: docs/fsdp.md)")
     acc = _to_float64(first)
     for record in files[1:]:
         acc = _accumulate(acc, _read_rank_file(directory, record),
