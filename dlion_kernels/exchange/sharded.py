@@ -162,11 +162,11 @@ def _ranks(mesh) -> list[int]:
 
 def _solo_group():
     """A process group of this rank alone (N = 1 has no replicate dimension to take one from);
-    created by this rank only, once."""
-    rank = dist.get_rank()
-    if rank not in _SOLO:
-        _SOLO[rank] = dist.new_group([rank], use_local_synchronization=True)
-    return _SOLO[rank]
+    created by this rank only, once per default group (a new one after a re-initialization)."""
+    key = (id(dist.group.WORLD), dist.get_rank())
+    if key not in _SOLO:
+        _SOLO[key] = dist.new_group([key[1]], use_local_synchronization=True)
+    return _SOLO[key]
 
 
 def check_param(i: int, p, first) -> None:
