@@ -30,7 +30,7 @@ the old ranks' floating-point state (momenta), accumulated in float64 in rank or
 ranks start with the same momentum; integer and other entries (step counts) are taken from old
 rank 0 and must agree on all old ranks. The mean of the momenta is the momentum of the mean
 gradient, the natural estimate when the data split changes. Resizing a checkpoint saved with a
-hierarchy (sharded momentum) is refused.
+hierarchy (sharded momentum) or with FSDP2 parameters (docs/fsdp.md) is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ._version import __version__
 from .exchange.collectives import collective
+from .exchange.sharded import is_dtensor
 
 FORMAT = "dlion_kernels.checkpoint"
 FORMAT_VERSION = 1
@@ -343,12 +344,16 @@ def _check_fits(obj, state, where: str) -> None:
             raise CheckpointError(f"{where}: param group {i} has {len(s.get('params', ()))} "
                                   f"parameters saved, the optimizer has {len(g['params'])}")
         params += list(zip(s["params"], g["params"]))
+    current = getattr(obj, "state", {})
     for pid, p in params:
+        mine = current.get(p, {}) if isinstance(current, dict) else {}
         entry = state["state"].get(pid, {})
         shard = entry.get("exp_avg_range")  # hierarchy: exp_avg is elements lo..hi of p, 1-D
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
+            # the optimizer's own state when it has one (FSDP2 momenta: (replicas, *p.shape))
+            like = mine.get(key) if isinstance(mine.get(key), torch.Tensor) else p
             if key == "exp_avg" and shard is not None:
                 lo, hi = shard
                 if not (value.dim() == 1 and 0 <= lo <= hi <= p.numel()
@@ -357,9 +362,17 @@ def _check_fits(obj, state, where: str) -> None:
                         f"{where}: state 'exp_avg' of parameter {pid} has shape "
                         f"{tuple(value.shape)} for elements {lo}..{hi} (exp_avg_range), the "
                         f"parameter has {p.numel()} elements")
-            elif value.shape != p.shape:
+            elif value.shape != like.shape:
                 raise CheckpointError(f"{where}: state {key!r} of parameter {pid} has shape "
-                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                                      f"{tuple(value.shape)}, this optimizer's is "
+                                      f"{tuple(like.shape)}")
+
+
+def _has_dtensor(state) -> bool:
+    """Whether an optimizer state dict holds DTensors (FSDP2 parameters' momenta)."""
+    per_param = state.get("state") if isinstance(state, dict) else None
+    return isinstance(per_param, dict) and any(
+        is_dtensor(v) for s in per_param.values() if isinstance(s, dict) for v in s.values())
 
 
 def _prepare(obj, directory: str, rank: int, n: int):
@@ -386,6 +399,11 @@ def _prepare(obj, directory: str, rank: int, n: int):
         _check_fits(obj, state, os.path.join(directory, files[rank]["file"]))
         return state, manifest
     first = _read_rank_file(directory, files[0])
+    if _has_dtensor(first):
+        raise CheckpointError(f"{where}: saved on {n_old} ranks with FSDP2 parameters (a "
+                              "DTensor momentum piece per rank); it can be loaded on the same "
+                              f"mesh of {n_old} ranks only, not {n} (torch.distributed.checkpoint "
+                              "reshards it: docs/fsdp.md)")
     acc = _to_float64(first)
     for record in files[1:]:
         acc = _accumulate(acc, _read_rank_file(directory, record),

@@ -490,16 +490,20 @@ class Exchange:
             for w in self.works:
                 w.wait()
 
-    def finish(self, defer: bool = False) -> StepStats:
+    def finish(self, defer: bool = False, agree=None) -> StepStats:
         """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
-        resolves ``self.verdict``."""
+        resolves ``self.verdict``. ``agree``: None, or a function of the received headers
+        [buckets, n, 2] returning the headers to decide from, [buckets', n', 2] (e.g. gathered
+        from ranks outside this group that must take the same decision: ``sharded.py``)."""
         with self.streams.on_side():
             self._progress(len(self.works), block=True)
             for w in self.works:
                 w.wait()
             if self.works:
                 headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
+                if agree is not None:
+                    headers = agree(headers)
             else:
                 headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
                                       device=self.device)

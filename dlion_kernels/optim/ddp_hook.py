@@ -47,6 +47,10 @@ def register_ddp_comm_hook(ddp_model, opt) -> None:
                         f"{type(ddp_model).__name__}")
     if not isinstance(opt, DistributedLion):
         raise TypeError(f"opt must be a dlion_kernels.DistributedLion, got {type(opt).__name__}")
+    if opt.sharded:
+        raise ValueError("a DistributedLion over FSDP2 parameters (device_mesh) cannot run in "
+                         "DDP's comm hook: FSDP2 reduces the gradients itself; call opt.step() "
+                         "after backward, without DDP")
     if opt._ddp_hooked:
         raise RuntimeError("opt already runs the D-Lion exchange of a DDP model")
     if opt.ranks_per_node > 1:

@@ -8,7 +8,8 @@ import dataclasses
 import torch
 
 from ..exchange import hierarchy as hier
-from ..exchange.buckets import BucketEngine, check_bucket_mb
+from ..exchange import sharded
+from ..exchange.buckets import BucketEngine, WeakHook, check_bucket_mb, remove_when_collected
 from ..exchange.checks import (
     check_hyperparameters,
     check_options,
@@ -102,6 +103,23 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     ``ValueError`` at the first step); fp16 ``GradScaler`` raises as with flat overlap.
     ``hierarchy="auto"`` with ``overlap=True`` raises ``ValueError``.
 
+    ``device_mesh`` (SPEC §10, ``docs/fsdp.md``): the parameters are FSDP2's DTensors, sharded
+    by ``fully_shard(module, mesh=mesh["shard"])``; the mesh's "replicate" dimension (else its
+    first) holds the N replicas of each shard, the voters. Each rank runs the step on its local
+    shards (``exchange/sharded.py``): local step, the exchange in its replicate group, apply to
+    the local tensors in place (the parameters stay the DTensors FSDP2 manages; nothing is
+    gathered). ``state[p]["exp_avg"]`` is an fp32 DTensor of global shape (N, *p.shape), replica
+    i's momentum in row i, created at construction (so ``torch.distributed.checkpoint`` keeps
+    every replica's momentum and never has to run a step to create the state). A 1-D mesh is
+    N = 1; without ``device_mesh`` the replicate group is ``group`` (None: N = 1, the parameters
+    sharded over every rank). One skip/raise decision for all n ranks (``ShardAgreement``);
+    ``last_stats`` is a ``ShardedStepStats`` (intra- and inter-node bytes). ``overlap=True``
+    starts a bucket's vote when FSDP2 has reduced its gradients (buckets are sized by the
+    parameters' full size, the same on every rank); accumulate with FSDP2's
+    ``model.set_requires_gradient_sync(False)``. A second reduce of a gradient already exchanged
+    in the step makes ``step()`` raise ``RuntimeError`` with nothing modified. ``hierarchy`` does
+    not apply (the shard dimension is the node) and raises ``ValueError``.
+
     Failures: a peer rank that dies or stalls makes ``step()`` (with ``overlap=True`` or the DDP
     comm hook, possibly ``backward()``) raise ``DistributedStepError`` on every other rank,
     naming the step and the collective; parameters and momenta are then as before the step.
@@ -133,6 +151,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         differentiable: bool | None = None,
         hierarchy=None,
         timeout=None,
+        device_mesh=None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         as_timedelta(timeout)
@@ -141,7 +160,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
         auto = isinstance(hierarchy, str) and hierarchy == "auto"
         self.ranks_per_node = 1 if auto else hier.resolve_hierarchy(hierarchy)
-        hier.check_world(group, self.ranks_per_node)
         if overlap and auto:
             raise ValueError("hierarchy=\"auto\" and overlap=True are not combined yet (the "
                              "runtime model chooses L for overlap=False): pass hierarchy=L")
@@ -154,11 +172,20 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self.mode, self.votes, self.group = mode, votes, group
         self.backend, self.nonfinite = backend, nonfinite
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
-        self.timeout = timeout
+        self.timeout, self.device_mesh = timeout, device_mesh
         self._last_stats: StepStats | None = None
+        self._runtime()  # checks the parameters against device_mesh / group
+        if self._sharding is not None:
+            if auto or self.ranks_per_node > 1:
+                raise ValueError(
+                    f"hierarchy={hierarchy!r} does not apply to FSDP2 parameters: the mesh's "
+                    "shard dimension is the node (FSDP reduces the gradients inside it) and its "
+                    "replicas vote; pass hierarchy=None")
+            for p in self._trainable():
+                self._exp_avg(p)  # the state exists before any step (module docstring)
+        hier.check_world(group, self.ranks_per_node)
         if auto:
             self._choose_hierarchy()
-        self._runtime()
         if overlap:
             self._build_engine()
 
@@ -178,6 +205,10 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         ``overlap=True`` gets its hooks at its first ``step()``."""
         if "_exchanged" in vars(self):
             return
+        params = [p for g in self.param_groups for p in g["params"]]
+        group = attached_group(self.group, self) if sharded.sharded_params(params) else None
+        # FSDP2 parameters: their mesh, replicate and shard groups (None: plain tensors)
+        self._sharding = sharded.resolve(params, getattr(self, "device_mesh", None), group)
         self._exchange: Exchange | None = None  # this step's exchange, once a bucket started
         self._exchanged: set[int] = set()        # ids of the params exchanged this step
         self._segments: list[Segment] | None = None
@@ -186,6 +217,15 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self._ddp_hooked = False
         self._found_inf = None
         self._pending = None  # a deferred step's (verdict, stats, params, step): _settle()
+        self._agreement = None  # FSDP2: this step's sharded.ShardAgreement
+        self._reduced_again = False  # FSDP2: a gradient exchanged this step was reduced again
+        self._guards: list = []  # FSDP2 with overlap: the hooks of _reduced
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 DTensors (``device_mesh``, SPEC §10)."""
+        self._runtime()
+        return self._sharding is not None
 
     # ------------------------------------------------------------------------- the verdict
 
@@ -227,16 +267,26 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         return super().state_dict()
 
     def add_param_group(self, param_group: dict) -> None:
-        """Also after construction: the new parameters get their state on their first step."""
+        """Also after construction: the new parameters get their state on their first step
+        (FSDP2 parameters: at once, and they must be sharded over the same mesh)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             check_params(group["params"])
             check_hyperparameters(group["lr"], group["betas"], group["weight_decay"])
             _check_flags({k: group[k] for k in _FLAGS if k in group})
+            if "_exchanged" in vars(self):  # after construction
+                everything = [p for g in self.param_groups for p in g["params"]]
+                if sharded.sharded_params(everything):
+                    for i, p in enumerate(everything):
+                        sharded.check_param(i, p, everything[0])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+        if getattr(self, "_sharding", None) is not None:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._exp_avg(p)
         if getattr(self, "_engine", None) is not None:
             self._build_engine()  # the new parameters need hooks; the order is re-recorded
 
@@ -245,16 +295,49 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def _build_engine(self) -> None:
         if self._engine is not None:
             self._engine.remove()
-        params = [p for g in self.param_groups for p in g["params"]]
-        self._engine = BucketEngine(params, bucket_mb=self.bucket_mb,
-                                    group=attached_group(self.group, self),
+        for h in self._guards:
+            h.remove()
+        params, self._guards = self._trainable(), []
+        if self._sharding is not None:
+            # FSDP2 accumulates a second backward's reduced gradient into .grad before it calls
+            # the sharded parameter's hooks, and never calls its tensor pre-hooks (the sharded
+            # parameter is not in the autograd graph): the engine's guard cannot refuse it
+            # first. Note it here (before the engine's hook, which may exchange the bucket);
+            # step() then refuses the step.
+            self._guards = [p.register_post_accumulate_grad_hook(WeakHook(self, "_reduced"))
+                            for p in params]
+            remove_when_collected(self, self._guards)
+        self._engine = BucketEngine(params, bucket_mb=self.bucket_mb, group=self._group(),
                                     on_ready=self._bucket_ready)
+
+    def _reduced(self, param) -> None:
+        if id(param) in self._exchanged:
+            self._reduced_again = True
+
+    def _check_reduced_once(self) -> None:
+        if not self._reduced_again:
+            return
+        if self._exchange is not None:
+            self._exchange.abandon()  # every rank's collectives stay matched; nothing applied
+        raise RuntimeError(
+            "a second backward() reduced gradients (FSDP2 added them into .grad) whose votes "
+            "were already exchanged this step; nothing was updated. Accumulate with FSDP2's "
+            "model.set_requires_gradient_sync(False) for every micro-batch but the last, then "
+            "zero_grad() and redo this step")
+
+    def _group(self):
+        """The process group of the exchange: the replicate group for FSDP2 parameters."""
+        if self._sharding is not None:
+            return self._sharding.replicate
+        return attached_group(self.group, self)
 
     def _bucket_ready(self, bucket) -> None:
         if self.ranks_per_node > 1:
             self._hierarchical_bucket(bucket)
-        else:
+        elif self._sharding is not None:  # the engine's layout is of the full tensors
             self._exchange_bucket(bucket.params)
+        else:
+            self._exchange_bucket(bucket.params, layout=(bucket.offsets, bucket.blocks))
 
     def _refuse_scaler(self, grad_scaler) -> None:
         scaled = (grad_scaler is not None and grad_scaler.is_enabled()) or any(
@@ -284,58 +367,87 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             return contextlib.nullcontext()
         return self._engine.no_sync()
 
+    # ------------------------------------------------------------------------- one step
+
+    def _trainable(self) -> list:
+        """The parameters that take part in a step, in param group order."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _begin(self) -> tuple[int, torch.device]:
+        """What every path needs once at the start of a step (the first bucket, or step()):
+        the last step's decision settled, ``self._segments`` (one ``Segment`` per param group:
+        the one way they are built; each path fills in its tensors), ``self._group_of``
+        (parameter id -> its group's index), and the streams. Returns (step counter, device)."""
+        self._settle()  # the step counters of the last step, for this step's header
+        self._segments, self._group_of = [], {}
+        for k, g in enumerate(self.param_groups):
+            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
+                                          float(g["weight_decay"])))
+            self._group_of.update((id(p), k) for p in g["params"])
+        params = self._trainable()
+        step = max((self.state[p].get("step", 0) for p in params), default=0)
+        device = params[0].device if params else torch.device("cpu")
+        if self._streams is None or self._streams.device != device:
+            self._streams = Streams(device)
+        return step, device
+
+    def _refresh(self) -> None:
+        """lr, beta2 and weight_decay apply when the step applies (a scheduler may have changed
+        them since backward started the step); beta1 was read by the local step."""
+        for seg, g in zip(self._segments, self.param_groups):
+            _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+
     def _start_step(self) -> Exchange:
         """The exchange of this step, created when its first bucket starts."""
         self._runtime()
         if self._exchange is None:
-            self._settle()  # the step counters of the last step, for this step's header
-            self._segments = []
-            for g in self.param_groups:
-                beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
-                                              float(g["weight_decay"])))
-            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-            step = max((self.state[p].get("step", 0) for p in params), default=0)
-            device = params[0].device if params else torch.device("cpu")
-            if self._streams is None or self._streams.device != device:
-                self._streams = Streams(device)
-            group = attached_group(self.group, self)
+            step, device = self._begin()
+            timeout = getattr(self, "timeout", None)
+            group = self._group()
             overlapped = self._engine is not None or self._ddp_hooked  # buckets in backward
             self._exchange = Exchange(device=device, mode=self.mode, votes=self.votes,
                                       group=group, backend=self.backend, step=step,
                                       nonfinite=self.nonfinite, found_inf=self._found_inf,
-                                      streams=self._streams,
-                                      timeout=getattr(self, "timeout", None),
+                                      streams=self._streams, timeout=timeout,
                                       gather_group=companion(group, device, step)
                                       if overlapped else None)
             self._exchanged = set()
+            if self._sharding is not None:
+                self._agreement = sharded.ShardAgreement(self._sharding, step, timeout)
         return self._exchange
 
-    def _exchange_bucket(self, params, grads=None) -> None:
+    def _exp_avg(self, p):
+        """The momentum of ``p``, created (zero, step 0) if it has no state yet."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = (
+                self._sharding.zero_momentum(p) if self._sharding is not None
+                else torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+        return state["exp_avg"]
+
+    def _exchange_bucket(self, params, grads=None, layout=None) -> None:
         """Start the exchange of one bucket: ``params`` (requires_grad) with ``grads`` (default:
-        their ``.grad``), laid out from block 0 in this order."""
+        their ``.grad``), laid out from block 0 in this order; ``layout``: their (block offsets,
+        blocks) when the caller has them (the bucket engine's), else computed here."""
         with torch.no_grad():
             ex = self._start_step()
-            group_of = self._group_index()
             grads = [p.grad for p in params] if grads is None else list(grads)
-            exp_avgs = []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32,
-                                                   device=p.device)
-                exp_avgs.append(state["exp_avg"])
+            exp_avgs = [self._exp_avg(p) for p in params]
+            segments = [self._segments[self._group_of[id(p)]] for p in params]
+            ids = [id(p) for p in params]
+            if self._sharding is not None:  # FSDP2: the exchange runs on the local shards
+                params = [sharded.local(p) for p in params]
+                grads = [sharded.local(g) for g in grads]
+                exp_avgs = [sharded.momentum_local(m) for m in exp_avgs]
             check_tensors(list(params), grads, exp_avgs)
-            offsets, blocks = block_offsets(p.numel() for p in params)
-            rows = []
-            for p, g, m, off in zip(params, grads, exp_avgs, offsets):
-                rows.append(ex.row(p, g, m, off, self._segments[group_of[id(p)]]))
-                self._exchanged.add(id(p))
-            ex.add(rows, blocks)
-
-    def _group_index(self) -> dict[int, int]:
-        return {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+            offsets, blocks = layout if layout is not None else block_offsets(
+                p.numel() for p in params)
+            ex.add([ex.row(p, g, m, off, seg) for p, g, m, off, seg
+                    in zip(params, grads, exp_avgs, offsets, segments)], blocks)
+            self._exchanged.update(ids)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):
@@ -366,23 +478,25 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         try:
             if self._engine is not None:
                 self._engine.flush()  # buckets never made ready this step (unused parameters)
-            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            self._check_reduced_once()
+            params = self._trainable()
             rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
                 else params
             if rest or self._exchange is None:
                 self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
             ex, self._exchange = self._exchange, None
-            for seg, g in zip(self._segments, self.param_groups):
-                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
-                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            agreement, self._agreement = self._agreement, None
+            self._refresh()
             # Nothing can raise from this step's decision: leave it on the device (no host sync)
             defer = (device.type == "cuda" or self._defer_on_cpu) and (
                 self.nonfinite == "skip" or self._found_inf is not None)
-            stats = ex.finish(defer=defer)
+            stats = ex.finish(defer=defer, agree=agreement)
+            if agreement is not None:
+                stats = sharded.step_stats(stats, agreement)
         finally:
             self._found_inf = None
-            self._exchange = None
+            self._exchange = self._agreement = None
+            self._exchanged, self._reduced_again = set(), False
             if self.overlap and self._engine is None and not self._ddp_hooked:
                 self._build_engine()  # a copy's hooks (the next backward records the order)
         self._last_stats = stats
@@ -394,26 +508,26 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._pending = (ex.verdict, stats, params, ex.step)
         return loss
 
+    # ------------------------------------------------------------------------- hierarchy
+
     def _hierarchical_step(self, found_inf=None) -> StepStats:
         """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``;
         ``found_inf``: the GradScaler's local overflow flag (``amp.before_exchange``) or None."""
-        segments, states = [], []
-        for g in self.param_groups:
-            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-            params = [p for p in g["params"] if p.requires_grad]
-            for p in params:
+        step, _ = self._begin()
+        states = []
+        for seg, g in zip(self._segments, self.param_groups):
+            seg.params = [p for p in g["params"] if p.requires_grad]
+            seg.grads = [p.grad for p in seg.params]
+            for p in seg.params:
                 states.append(self.state[p])
                 states[-1].setdefault("step", 0)  # the momentum shard comes at the step
-            segments.append(Segment(params, [p.grad for p in params], [], float(g["lr"]), beta1,
-                                    beta2, float(g["weight_decay"])))
-        hier.check_tensors(*[sum((getattr(s, k) for s in segments), []) for k in ("params",
-                                                                                  "grads")])
-        step = max((state["step"] for state in states), default=0)
+        hier.check_tensors(*[sum((getattr(s, k) for s in self._segments), [])
+                             for k in ("params", "grads")])
         if getattr(self, "_shard", None) is None:
             self._shard = hier.ShardedMomentum()
         self._shard.states = states  # new dicts after load_state_dict: the shard is rebuilt
         stats = hier.run_hierarchical_step(
-            segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
+            self._segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
             votes=self.votes, group=self.group, backend=self.backend, step=step,
             nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None),
             found_inf=found_inf)
@@ -422,8 +536,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 state["step"] = step + 1
         return stats
 
-    # ------------------------------------------------------------------------- hierarchy
-
     def _hierarchical_bucket(self, bucket) -> None:
         """A bucket's hierarchical phases 1-4 and its node gather (exchange/hierarchy.py
         ``OverlapStep``), during backward. The first bucket of a step lays out the momentum
@@ -431,22 +543,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         with torch.no_grad():
             hs = getattr(self, "_hier_step", None)
             if hs is None:
-                self._settle()
-                self._segments, group_of = [], {}
-                for k, g in enumerate(self.param_groups):
-                    beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                    self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
-                                                  float(g["weight_decay"])))
-                    for p in g["params"]:
-                        group_of[id(p)] = k
-                        if p.requires_grad:
-                            self.state[p].setdefault("step", 0)
-                self._hier_group_of = group_of
-                params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-                step = max((self.state[p]["step"] for p in params), default=0)
-                device = params[0].device if params else torch.device("cpu")
-                if self._streams is None or self._streams.device != device:
-                    self._streams = Streams(device)
+                step, device = self._begin()
+                for p in self._trainable():
+                    self.state[p].setdefault("step", 0)
                 timeout = getattr(self, "timeout", None)
                 topo = hier.topology(self.group, self.ranks_per_node, timeout)
                 buckets = self._engine.buckets
@@ -462,7 +561,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 hs = self._hier_step = hier.OverlapStep(
                     topo, device=device, mode=self.mode, votes=self.votes, backend=self.backend,
                     step=step, nonfinite=self.nonfinite, streams=self._streams, timeout=timeout)
-            segments = [self._segments[self._hier_group_of[id(p)]] for p in bucket.params]
+            segments = [self._segments[self._group_of[id(p)]] for p in bucket.params]
             hs.add(bucket.params, [p.grad for p in bucket.params], segments,
                    self._hier_layouts[bucket.index], self._hier_momentum[bucket.index])
 
@@ -477,30 +576,37 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             hs, self._hier_step = getattr(self, "_hier_step", None), None
             if hs is None:  # no parameter takes part: nothing to exchange or apply
                 return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
-            for seg, g in zip(self._segments, self.param_groups):
-                # lr, beta2 and weight_decay apply now (a scheduler may have changed them)
-                _, seg.beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-                seg.lr, seg.weight_decay = float(g["lr"]), float(g["weight_decay"])
+            self._refresh()
             stats = hs.finish()
         finally:
             self._hier_step = None
         if not stats.skipped:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.requires_grad:
-                        self.state[p]["step"] = hs.step + 1
+            for p in self._trainable():
+                self.state[p]["step"] = hs.step + 1
         return stats
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._settle()
+        self._runtime()
         # torch casts floating state to the param's dtype; momentum stays fp32 here for exact
         # resume of bf16/fp16 models, so put the saved fp32 values back afterwards.
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
-            if i in saved and "exp_avg" in saved[i]:
-                self.state[p]["exp_avg"] = saved[i]["exp_avg"].to(
-                    device=p.device, dtype=torch.float32, copy=True
-                )
+        loaded = [(i, p, saved[i]["exp_avg"]) for i, p in zip(ids, params)
+                  if i in saved and "exp_avg" in saved[i]]
+        for i, p, m in loaded:  # checked before anything changes
+            where = f"state_dict['state'][{i!r}]['exp_avg']"
+            if self._sharding is not None:
+                self._sharding.check_momentum(m, p, where)
+            elif sharded.is_dtensor(m):
+                raise ValueError(f"{where} is a DTensor, saved by a DistributedLion over FSDP2 "
+                                 "parameters; this one's parameters are plain tensors")
+        super().load_state_dict(state_dict)
+        for _, p, m in loaded:
+            self.state[p]["exp_avg"] = (
+                self._sharding.loaded_momentum(m, p) if self._sharding is not None
+                else m.to(device=p.device, dtype=torch.float32, copy=True))
+        if self._sharding is not None:
+            for p in self._trainable():
+                self._exp_avg(p)  # parameters the state_dict had no state for
