@@ -302,7 +302,9 @@ class DiLoCo:
         if differs:
             raise ValueError(f"model's parameters on ranks {differs} differ from rank 0's: every "
                              "rank must start from the same weights (seed the initialization "
-                             "alike or load the same checkpoint before building DiLoCo)")
+                             "alike). Resuming from a checkpoint: build DiLoCo on the fresh "
+                             "model, then load the model's, the inner optimizer's and DiLoCo's "
+                             "state dicts")
 
     # ------------------------------------------------------------------------- steps
 
