@@ -6,6 +6,7 @@ Floors (each imports only from the floors below it):
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
 - ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
 - ``decentralized``  seed 2's gossip training (``DecentralizedDataParallel``, topologies)
+- ``local``     local steps with an outer step every H steps (``DiLoCo``)
 - ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
 - ``plan``      the runtime model that predicts each strategy's step time
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
@@ -18,6 +19,7 @@ from .exchange.copying import DetachedGroup
 from .exchange.header import StepMismatchError
 from .exchange.step import NonFiniteGradientError, StepStats, fused_dlion_step
 from .kernels.backends import BackendUnavailable, available_backends
+from .local.diloco import DiLoCo, SyncStats
 from .optim.accum import AccumAdamW, AccumLion
 from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
@@ -29,11 +31,13 @@ __all__ = [
     "CheckpointError",
     "DecentralizedDataParallel",
     "DetachedGroup",
+    "DiLoCo",
     "DistributedLion",
     "DistributedStepError",
     "NonFiniteGradientError",
     "StepMismatchError",
     "StepStats",
+    "SyncStats",
     "available_backends",
     "fused_dlion_step",
     "load_state",
