@@ -80,7 +80,7 @@ from . import fragments as frag
 
 OUTERS = ("dlion", "nesterov")
 # Nesterov: DiLoCo's values. D-Lion: see the docs (docs/diloco.md, "Choosing outer_lr").
-DEFAULT_OUTER_LR = {"dlion": 1e-3, "nesterov": 0.7}
+DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 DIGESTS = "all_gather(parameter digests)"
@@ -136,7 +136,7 @@ class _Fragment:
     def pseudo_gradient(self) -> torch.Tensor:
         """d = theta_bar - theta_i, fp32, flat."""
         local = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        return torch.sub(self.theta, local)
+        return torch.sub(self.theta, local, out=local)
 
     def set_params(self) -> None:
         torch._foreach_copy_(self.params, self.views(self.theta))
@@ -169,7 +169,9 @@ class DiLoCo:
         each ``inner_optimizer.step()``; nothing else is sent between syncs.
     sync_every: H, inner steps between two syncs of a fragment (a multiple of ``fragments``).
     outer: "dlion" (1-bit vote, per-rank outer momentum) or "nesterov" (DiLoCo's fp32 all-reduce).
-    outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's), 1e-3 for D-Lion.
+    outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's); 1e-2 for D-Lion, whose sign step
+        moves every element by outer_lr per sync: about 0.4 x inner lr x H was best in a sweep
+        (docs/diloco.md, "Choosing outer_lr"), so scale it with your inner lr and H.
     outer_betas, outer_weight_decay, mode, votes, backend: D-Lion's (SPEC §1, §3).
     outer_momentum: Nesterov's mu (DiLoCo's 0.9).
     fragments: P, Streaming DiLoCo's fragments. overlap_steps: tau < H / P, the inner steps an
