@@ -6,6 +6,7 @@ Floors (each imports only from the floors below it):
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
 - ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
 - ``decentralized``  seed 2's gossip training (``DecentralizedDataParallel``, topologies)
+- ``local``     local steps with an outer step every H steps (``DiLoCo``)
 - ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
 - ``plan``      the runtime model that predicts each strategy's step time
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
@@ -26,18 +27,21 @@ _PUBLIC = {
     "CheckpointError": ".checkpoint",
     "DecentralizedDataParallel": ".decentralized.wrapper",
     "DetachedGroup": ".exchange.copying",
+    "DiLoCo": ".local.diloco",
     "DistributedLion": ".optim.dlion",
     "DistributedStepError": ".exchange.collectives",
     "NonFiniteGradientError": ".exchange.step",
     "StepMismatchError": ".exchange.header",
     "StepStats": ".exchange.step",
+    "SyncStats": ".local.diloco",
     "available_backends": ".kernels.backends",
     "fused_dlion_step": ".exchange.step",
     "load_state": ".checkpoint",
     "register_ddp_comm_hook": ".optim.ddp_hook",
     "save_state": ".checkpoint",
 }
-_SUBMODULES = ("checkpoint", "decentralized", "demo", "exchange", "kernels", "optim", "plan")
+_SUBMODULES = ("checkpoint", "decentralized", "demo", "exchange", "kernels", "local", "optim",
+               "plan")
 
 __all__ = sorted(_PUBLIC)
 

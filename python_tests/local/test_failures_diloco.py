@@ -1,0 +1,97 @@
+"""SPEC §9 for dk.DiLoCo: a rank that dies (SIGKILL) or stalls (SIGSTOP) at a sync makes every
+other rank raise DistributedStepError within the timeout plus a margin, naming the sync's inner
+step and the collective, with theta_bar, the outer momenta and the parameters exactly as before
+that step() call (with overlap_steps the error comes at the apply step, tau steps later, and
+still names the sync's step).
+
+Real gloo processes (faults.py); every run is bounded and kills all its processes at the end.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from faults import Fault, run_with_fault
+from test_diloco import _inner, _inner_step, _model
+
+import dlion_kernels as dk
+from dlion_kernels.local.diloco import ALL_REDUCE, DiLoCo
+
+PG_TIMEOUT = 5.0  # seconds: the group's timeout and DiLoCo(timeout=)
+MARGIN = 15.0  # spawn and scheduling jitter on a shared 2-core machine
+DEADLINE = 300.0
+H = 2
+FAULT_SYNC = 2 * H  # the second sync: the first one ran on every rank
+A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
+
+
+def _snap(model, diloco):
+    return ([p.detach().clone() for p in model.parameters()],
+            [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta])
+
+
+def worker(rank, n, group, outer, tau):
+    """Inner steps with a DiLoCo on ``group`` (PG_TIMEOUT); the ranks line up on the default
+    group (long timeout) before building it and before each step up to the faulty sync, so that
+    a rank slowed down by a loaded machine is not taken for a stalled one."""
+    model = _model()
+    inner = _inner("adamw", model)
+    dist.barrier()
+    diloco = DiLoCo(model, inner, sync_every=H * (tau + 1), outer=outer, outer_lr=5e-2,
+                    overlap_steps=tau, group=group, timeout=PG_TIMEOUT)
+    sync = FAULT_SYNC * (tau + 1)
+    completed = []
+    for t in range(1, sync + tau + 3):
+        if t <= sync:
+            dist.barrier()
+        _inner_step(model, inner, rank, t)
+        before = _snap(model, diloco)
+        start = time.monotonic()
+        try:
+            diloco.step()
+        except dk.DistributedStepError as e:
+            return dict(error=str(e), step=e.step, collective=e.collective, at=t,
+                        elapsed=time.monotonic() - start, before=before,
+                        now=_snap(model, diloco), completed=completed,
+                        inner_step=diloco.inner_step)
+        completed.append(_snap(model, diloco))
+    return dict(error=None, completed=completed)
+
+
+SCENARIOS = [  # (outer, overlap_steps, n, fault rank, point, action, collectives named)
+    ("dlion", 0, 3, 1, f"before:{A2A}", "kill", {A2A}),
+    ("dlion", 0, 2, 0, f"after:{A2A}", "stop", {A2A, GATHER}),
+    ("dlion", 1, 3, 2, f"after:{A2A}", "kill", {A2A, GATHER}),
+    ("nesterov", 0, 2, 1, f"before:{ALL_REDUCE}", "stop", {ALL_REDUCE}),
+    ("nesterov", 1, 2, 0, f"before:{ALL_REDUCE}", "kill", {ALL_REDUCE}),
+]
+
+
+@pytest.mark.parametrize("outer,tau,n,victim,point,action,names", SCENARIOS,
+                         ids=[f"{s[0]}-tau{s[1]}-n{s[2]}-{s[5]}" for s in SCENARIOS])
+def test_dead_or_stalled_rank_at_a_sync(outer, tau, n, victim, point, action, names):
+    sync = FAULT_SYNC * (tau + 1)
+    fault = Fault(rank=victim, step=sync, point=point, action=action)
+    results = run_with_fault(n, worker, fault, outer, tau, pg_timeout=PG_TIMEOUT,
+                             deadline=DEADLINE)
+    survivors = [r for r in range(n) if r != victim]
+    assert results[victim] is None  # the victim never got to report
+    for r in survivors:
+        res = results[r]
+        assert res["error"] is not None, f"rank {r} finished without noticing the dead peer"
+        assert res["step"] == sync and res["at"] == sync + tau, (r, res["step"], res["at"])
+        assert res["collective"] in names, (r, res["collective"])
+        assert f"DiLoCo sync at inner step {sync}:" in res["error"]
+        assert res["collective"] in res["error"]
+        assert res["elapsed"] < PG_TIMEOUT + MARGIN, (r, res["elapsed"])
+        assert res["inner_step"] == sync + tau - 1  # the failed call did not count
+        for a, b in zip(res["now"], res["before"]):  # params, theta_bar, momenta: as before
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
+        assert len(res["completed"]) == sync + tau - 1
+    # the syncs before the failure: the survivors agree on theta_bar bit for bit
+    first = results[survivors[0]]["completed"][-1][1]
+    for r in survivors[1:]:
+        for x, y in zip(results[r]["completed"][-1][1], first, strict=True):
+            assert torch.equal(x, y)
