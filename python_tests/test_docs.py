@@ -15,9 +15,7 @@ On every page:
 5. every relative markdown link resolves to a file, and its ``#anchor`` to a heading of that
    page (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens).
 
-Pages and names landing this round (``PENDING_PAGES``, ``PENDING_NAMES``) may be linked or named
-before they exist; once they exist they are checked like the rest. And the README's test command
-must be the one ``.ci/run`` runs.
+And the README's test command must be the one ``.ci/run`` runs.
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Written by other engineers this round; linked from the README and the index already.
-PENDING_PAGES = {"docs/architecture.md", "docs/fsdp.md", "docs/diloco.md"}
-PENDING_NAMES = {"dk.DiLoCo"}
 FRAGMENT = "<!-- fragment -->"
 
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -95,8 +91,6 @@ def path_problems(text: str, root: Path = ROOT) -> list[str]:
     """Check 3."""
     problems = []
     for cited in sorted({m.group(0).rstrip(".,;:") for m in _PATH.finditer(text)}):
-        if cited.rstrip("/") in PENDING_PAGES:
-            continue
         pattern = re.sub(r"<[^<>/]*>", "*", cited)
         if "<" in pattern or ">" in pattern:
             problems.append(f"path {cited!r}: unbalanced <placeholder>")
@@ -125,8 +119,6 @@ def name_problems(text: str) -> list[str]:
     """Check 4."""
     problems = []
     for cited in sorted({m.group(0) for m in _DOTTED.finditer(text)}):
-        if cited in PENDING_NAMES:
-            continue
         full = "dlion_kernels" + cited[2:] if cited.startswith("dk.") else cited
         if not _resolves(full):
             problems.append(f"name {cited!r} is neither a module nor an attribute")
@@ -155,8 +147,7 @@ def link_problems(page: Path, text: str, root: Path = ROOT) -> list[str]:
         dest = (page.parent / file).resolve() if file else page
         rel = dest.relative_to(root).as_posix() if dest.is_relative_to(root) else str(dest)
         if not dest.exists():
-            if rel not in PENDING_PAGES:
-                problems.append(f"link {target!r}: {rel} does not exist")
+            problems.append(f"link {target!r}: {rel} does not exist")
             continue
         if anchor and (dest.suffix != ".md" or anchor not in slugs(dest.read_text())):
             problems.append(f"link {target!r}: no heading #{anchor} in {rel}")
@@ -240,7 +231,7 @@ See `bench/results/no-such-folder/`, `bench/results/all-<date>/` and bench/READM
 `dlion_kernels.native` and `dk.NoSuchThing` no,
 `dk.plan.predict` and `dlion_kernels.kernels.native` yes.
 [good](other.md#a-section-with-punctuation), [bad anchor](other.md#nope),
-[missing](missing.md), [pending](architecture.md), [web](https://example.org/x), [self](#title).
+[missing](missing.md), [web](https://example.org/x), [self](#title).
 """
 
 

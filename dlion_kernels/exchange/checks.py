@@ -44,7 +44,7 @@ def check_options(mode, votes, backend, nonfinite) -> None:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
 
 
-def _check_tensor(name: str, i: int, t, like: torch.Tensor | None, dtypes) -> None:
+def check_tensor(name: str, i: int, t, like: torch.Tensor | None, dtypes) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -67,7 +67,7 @@ def check_params(params) -> torch.device | None:
     """Each param is a dense fp32/bf16/fp16 tensor, all on one device; return that device."""
     device = None
     for i, p in enumerate(params):
-        _check_tensor("params", i, p, None, DTYPES)
+        check_tensor("params", i, p, None, DTYPES)
         # Found by fuzzing: meta (or other) tensors reached a backend and failed there with a
         # misleading message (meta tensors all have data_ptr 0, so they "aliased").
         if p.device.type not in ("cpu", "cuda"):
@@ -95,13 +95,13 @@ def check_tensors(params, grads, exp_avgs) -> torch.device | None:
     device = check_params(params)
     for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
         if g is not None:
-            _check_tensor("grads", i, g, p, DTYPES)
+            check_tensor("grads", i, g, p, DTYPES)
             # what every backend's apply reads (kernel stages v2): found by fuzzing, a bf16
             # gradient of an fp32 parameter failed inside apply, after the exchange
             if g.dtype not in (p.dtype, torch.float32):
                 raise TypeError(f"grads[{i}] has dtype {g.dtype}; allowed: the parameter's dtype "
                                 f"({p.dtype}) or float32")
-        _check_tensor("exp_avgs", i, m, p, (torch.float32,))
+        check_tensor("exp_avgs", i, m, p, (torch.float32,))
     check_no_overlap(params, grads, exp_avgs)
     return device
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-HEADER_WORDS = 2
+from ..kernels.layout import HEADER_WORDS
+
 NONFINITE = 1  # flag bit
 _STEP_MOD = 2**31
 

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
-from .checks import DTYPES, _check_tensor, check_params
+from .checks import DTYPES, check_tensor, check_params
 from .collectives import as_timedelta, collective, new_group
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
@@ -195,7 +195,7 @@ def check_tensors(params, grads) -> None:
     check_params(params)
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is not None:
-            _check_tensor("grads", i, g, p, DTYPES)
+            check_tensor("grads", i, g, p, DTYPES)
 
 
 # ----------------------------------------------------------------------------- layout

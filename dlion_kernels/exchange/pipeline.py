@@ -66,12 +66,11 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import backends
-from ..kernels.layout import aggregate_planes, shard_blocks, vote_planes
+from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
 from .collectives import collective, group_timeout
 from .collectives import wait as wait_work
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
-WORD_BYTES = 4
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
 # the making of the gathers' group (once per group, at its first overlapped step)
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"

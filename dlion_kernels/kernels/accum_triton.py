@@ -1,8 +1,8 @@
 """The ``triton`` backend of AccumAdamW / AccumLion (semantics and order: ``accum_reference.py``).
 
 One launch per call covers every tensor, through the tensor and program tables of
-``triton.py`` (``_tables``: per list a typed base pointer plus element offsets; one program per
-chunk of BLOCK elements of one tensor). fp32 arithmetic with one rounding per operation:
+``triton.py`` (``launch_tables``: per list a typed base pointer plus element offsets; one
+program per chunk of BLOCK elements of one tensor). fp32 arithmetic with one rounding per operation:
 no fused multiply-add, ``div_rn`` and ``sqrt_rn`` (Triton's ``/`` and ``sqrt`` on the GPU are
 approximate).
 """
@@ -15,14 +15,14 @@ import triton.language as tl
 
 from .accum_reference import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
 from .triton import (
-    _INTERPRETED,
-    _LAUNCH_OPTIONS,
-    _chunk_block,
-    _in_use,
-    _load_f32,
-    _on,
-    _round,
-    _tables,
+    INTERPRETED,
+    LAUNCH_OPTIONS,
+    chunk_block,
+    in_use,
+    load_f32,
+    on_device,
+    round_to,
+    launch_tables,
 )
 
 
@@ -48,8 +48,8 @@ def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base, y_
     numel = tl.load(row + 12)
     offs = (pid - tl.load(row + 14)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = _load_f32(y_ptr, offs, numel, True, SOFT_BF16)
-    g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
+    x = load_f32(y_ptr, offs, numel, True, SOFT_BF16)
+    g = load_f32(g_ptr, offs, numel, True, SOFT_BF16)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     x = x * decay
@@ -64,7 +64,7 @@ def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base, y_
     mt = m + omb1 * g
     vt = v + omb2 * (g * g)
     x = x - step_size * tl.div_rn(mt, tl.div_rn(tl.sqrt_rn(vt), bc2_sqrt) + eps)
-    tl.store(x_ptr + offs, _round(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(x_ptr + offs, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     if FLUSH:
         tl.store(m_ptr + offs, b1 * (m + omb1 * src), mask=mask)
         tl.store(v_ptr + offs, b2 * (v + omb2 * (src * src)), mask=mask)
@@ -90,13 +90,13 @@ def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, y_base,
     numel = tl.load(row + 10)
     offs = (pid - tl.load(row + 12)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = _load_f32(y_ptr, offs, numel, True, SOFT_BF16)
-    g = _load_f32(g_ptr, offs, numel, True, SOFT_BF16)
+    x = load_f32(y_ptr, offs, numel, True, SOFT_BF16)
+    g = load_f32(g_ptr, offs, numel, True, SOFT_BF16)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     c = b1 * m + omb1 * g
     sign = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
     x = x - lr * (sign + wd * x)
-    tl.store(x_ptr + offs, _round(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(x_ptr + offs, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     src = g
     if not K1:
         a = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * inv_k
@@ -115,23 +115,23 @@ def _launch(kind, kernel, lists, dtypes, scalars, k1, flush):
     params = lists[0]
     device = params[0].device
     numels = tuple(x.numel() for x in params)
-    block = _chunk_block(numels)
-    if not _INTERPRETED:
+    block = chunk_block(numels)
+    if not INTERPRETED:
         block = 1024
-    # one launch per alignment group (triton.py's _tables); accumulators stay correct either way
-    for meta, prog, programs, _aligned, base_index in _tables(
+    # one launch per alignment group (triton.py's launch_tables); accumulators are right either way
+    for meta, prog, programs, _aligned, base_index in launch_tables(
         kind, device, lists, numels, (0,) * len(numels), block
     ):
         bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
         # An absent list (K = 1 accumulators) is never touched: any typed fp32 pointer will do.
         bases = [b if b.dtype == ref_dtype else lists[3][base_index[3]]
                  for b, ref_dtype in zip(bases, dtypes)]
-        meta, prog = _in_use(meta, prog)
-        with _on(device):
+        meta, prog = in_use(meta, prog)
+        with on_device(device):
             kernel[(programs,)](
                 meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, BLOCK=block,
-                SOFT_BF16=_INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
-                **_LAUNCH_OPTIONS,
+                SOFT_BF16=INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
+                **LAUNCH_OPTIONS,
             )
 
 

@@ -51,10 +51,10 @@ import triton.language as tl
 from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
 from .reference import nonfinite
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # No fused multiply-add on the GPU: c = b1*m + omb1*g must round after each operation, as in the
 # reference. The interpreter computes with numpy, one rounding per operation already.
-_LAUNCH_OPTIONS = {} if _INTERPRETED else {"enable_fp_fusion": False}
+LAUNCH_OPTIONS = {} if INTERPRETED else {"enable_fp_fusion": False}
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _MAX_COUNTER_PLANES = 16  # tally counters; n <= layout.MAX_VOTERS (32767) for every backend
@@ -67,7 +67,7 @@ _ALIGN = 16  # bytes; when all addresses are multiples of this, the kernels are 
 
 
 @triton.jit
-def _load_f32(ptr, offs, numel, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
+def load_f32(ptr, offs, numel, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
     """Elements of any float dtype as fp32 (0 past ``numel`` when MASKED). SOFT_BF16 (interpreter
     only, whose bf16 -> fp32 cast garbles subnormals): the exact conversion done on the bits."""
     if SOFT_BF16:
@@ -89,10 +89,10 @@ def _combine(g_ptr, m_ptr, offs, numel, has_g, b1, omb1, MASKED: tl.constexpr,
              SOFT_BF16: tl.constexpr):
     """Returns b1*m + omb1*g (g = 0 where ``has_g`` is 0). Used for c (local step, m read only)
     and for the new momentum (apply)."""
-    m = _load_f32(m_ptr, offs, numel, MASKED, False)
+    m = load_f32(m_ptr, offs, numel, MASKED, False)
     g = tl.zeros_like(m)
     if has_g:
-        g = _load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
+        g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
     return b1 * m + omb1 * g
 
 
@@ -115,7 +115,7 @@ def _local_step_kernel(
     G_ALIGN: tl.constexpr,  # elements: every g_off is a multiple of this
     M_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
-    SOFT_BF16: tl.constexpr,  # interpreter with bf16 gradients: exact conversions (_load_f32)
+    SOFT_BF16: tl.constexpr,  # interpreter with bf16 gradients: exact conversions (load_f32)
 ):
     """One chunk of BLOCK elements of one tensor, in fp32 (g: stored dtype -> fp32):
 
@@ -332,10 +332,10 @@ def _tally_kernel(
 
 
 @triton.jit
-def _round(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+def round_to(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even. SOFT_BF16 (interpreter only, whose fp32 -> bf16 cast
     rounds ties away and can drop a carry): the same rounding done on the bits, NaN -> 0x7FC0.
-    The loads of bf16 go through ``_load_f32`` for the same reason."""
+    The loads of bf16 go through ``load_f32`` for the same reason."""
     if SOFT_BF16:
         bits = xf.to(tl.int32, bitcast=True)
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
@@ -350,12 +350,12 @@ def _update(x_ptr, offs, numel, d, lr, wd, MASKED: tl.constexpr, SOFT_BF16: tl.c
     """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even)."""
     if MASKED:
         mask = offs < numel
-    xf = _load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16)
+    xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16)
     xf = xf - lr * (d + wd * xf)
     if MASKED:
-        tl.store(x_ptr + offs, _round(xf, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     else:
-        tl.store(x_ptr + offs, _round(xf, x_ptr.dtype.element_ty, SOFT_BF16))
+        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16))
 
 
 @triton.jit
@@ -462,16 +462,16 @@ _TABLES: dict = {}
 _MAX_CACHED_TABLES = 64
 
 
-def _chunk_block(numels) -> int:
+def chunk_block(numels) -> int:
     """Elements per program: fixed on the GPU; under the interpreter, which pays per program
     instance, as large as the biggest tensor needs (up to 2**16)."""
-    if not _INTERPRETED:
+    if not INTERPRETED:
         return 4096
     biggest = max(numels, default=1)
     return min(1 << 16, max(1024, triton.next_power_of_2(biggest)))
 
 
-def _tables(kind, device, lists, numels, offsets, block):
+def launch_tables(kind, device, lists, numels, offsets, block):
     """The launches of one stage call: a list of (tensor table, program table, programs, aligned,
     bases), one per *alignment group*. Tensors whose addresses (every list) are all multiples of
     16 bytes go into the aligned launch (vector loads); the others into an unaligned one, so a
@@ -522,7 +522,7 @@ def _tables(kind, device, lists, numels, offsets, block):
     return launches
 
 
-def _in_use(*tables):
+def in_use(*tables):
     """The cached tables of a launch on the current stream: a cached table may be evicted while
     a launch on another stream still reads it, so the caching allocator is told (record_stream)
     to keep its memory until the work queued so far on this stream has completed."""
@@ -532,7 +532,7 @@ def _in_use(*tables):
     return tables
 
 
-def _on(device):
+def on_device(device):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -588,13 +588,13 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
     needed = max((o + num_blocks(k)) * planes for o, k in zip(offsets, numels))
     _check_words("votes", votes, device, needed)
 
-    block = _chunk_block(numels)
-    for meta, prog, programs, aligned, (g_i, m_i) in _tables(
+    block = chunk_block(numels)
+    for meta, prog, programs, aligned, (g_i, m_i) in launch_tables(
         "local_step", device, (grads, exp_avgs), numels, offsets, block
     ):
         g_base = grads[g_i] if g_i >= 0 else exp_avgs[m_i]  # all None: any typed pointer will do
-        meta, prog = _in_use(meta, prog)
-        with _on(device):
+        meta, prog = in_use(meta, prog)
+        with on_device(device):
             _local_step_kernel[(programs,)](
                 meta,
                 prog,
@@ -608,9 +608,9 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
                 G_ALIGN=4 if aligned else 1,
                 M_ALIGN=4 if aligned else 1,
                 BLOCK=block,
-                SOFT_BF16=_INTERPRETED and g_base.dtype == torch.bfloat16,
+                SOFT_BF16=INTERPRETED and g_base.dtype == torch.bfloat16,
                 num_warps=8,
-                **_LAUNCH_OPTIONS,
+                **LAUNCH_OPTIONS,
             )
 
 
@@ -640,8 +640,8 @@ def tally(stacked, out, n, mode, ternary, step):
         h, tie = n, 0
     else:
         h, tie = n // 2, (tie_pattern(step) if n % 2 == 0 else 0)
-    bw = min(1 << 16, triton.next_power_of_2(blocks)) if _INTERPRETED else 512
-    with _on(stacked.device):
+    bw = min(1 << 16, triton.next_power_of_2(blocks)) if INTERPRETED else 512
+    with on_device(stacked.device):
         _tally_kernel[(triton.cdiv(blocks, bw),)](
             stacked,
             out,
@@ -655,7 +655,7 @@ def tally(stacked, out, n, mode, ternary, step):
             NP=counter_planes,
             BW=bw,
             num_warps=4,
-            **_LAUNCH_OPTIONS,
+            **LAUNCH_OPTIONS,
         )
 
 
@@ -699,16 +699,16 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     needed = max((o + num_blocks(k)) * planes for o, k in zip(offsets, numels))
     _check_words("aggregate", aggregate, device, needed)
 
-    block = _chunk_block(numels)
-    for meta, prog, programs, aligned, (x_i, g_i, m_i) in _tables(
+    block = chunk_block(numels)
+    for meta, prog, programs, aligned, (x_i, g_i, m_i) in launch_tables(
         "apply", device, (params, grads, exp_avgs), numels, offsets, block
     ):
         x_base = params[x_i]
         # no momentum at all: any fp32 pointer will do (never read: m_present is 0 everywhere)
         m_base = exp_avgs[m_i] if m_i >= 0 else aggregate.view(torch.float32)
         g_base = grads[g_i] if g_i >= 0 else m_base  # all None: any typed pointer will do
-        meta, prog = _in_use(meta, prog)
-        with _on(device):
+        meta, prog = in_use(meta, prog)
+        with on_device(device):
             _apply_kernel[(programs,)](
                 meta,
                 prog,
@@ -731,10 +731,10 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
                 M_ALIGN=4 if aligned else 1,
                 HAS_SKIP=skip is not None,
                 BLOCK=block,
-                SOFT_BF16_X=_INTERPRETED and x_dtype == torch.bfloat16,
-                SOFT_BF16_G=_INTERPRETED and g_base.dtype == torch.bfloat16,
+                SOFT_BF16_X=INTERPRETED and x_dtype == torch.bfloat16,
+                SOFT_BF16_G=INTERPRETED and g_base.dtype == torch.bfloat16,
                 num_warps=8,
-                **_LAUNCH_OPTIONS,
+                **LAUNCH_OPTIONS,
             )
 
 

@@ -363,5 +363,5 @@ def test_mixed_alignment(backend, dtype):
     if backend == "triton":
         from dlion_kernels.kernels import triton as tk
 
-        launches = tk._tables("apply", device, (x, g, m), tuple(sizes), tuple(offsets), 4096)
+        launches = tk.launch_tables("apply", device, (x, g, m), tuple(sizes), tuple(offsets), 4096)
         assert sorted(launch[3] for launch in launches) == [False, True]
