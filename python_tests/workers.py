@@ -5,7 +5,8 @@ import torch.distributed as dist
 from dlion_kernels.launch import spawn
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv")
+                "all_gather", "broadcast", "reduce_scatter_tensor",
+                "reduce_scatter_single", "send", "recv")
 
 
 def run_workers(n: int, fn, *args, timeout: float = 300.0) -> list:

@@ -344,7 +344,10 @@ def _node_mean_grad(tensors, grads, layout: ShardLayout, topo: Topology, step, t
     grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
     if L == 1:
         return grad.copy_(work), 0
-    collective(REDUCE_SCATTER, step, dist.reduce_scatter_tensor, grad, work,
+    # reduce_scatter_single where torch has it (2.13 deprecates reduce_scatter_tensor, warning
+    # at every call)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(REDUCE_SCATTER, step, scatter, grad, work,
                op=dist.ReduceOp.SUM, group=topo.intra, timeout=timeout)
     return grad.div_(L), (L - 1) * S * BLOCK * _F32_BYTES
 

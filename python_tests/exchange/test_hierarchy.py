@@ -117,6 +117,8 @@ class _Counter:
 
         wrap("all_to_all_single", lambda b, s: b * (s - 1) // s)
         wrap("reduce_scatter_tensor", lambda b, s: b * (s - 1) // s)
+        if hasattr(dist, "reduce_scatter_single"):  # what the library calls where it exists
+            wrap("reduce_scatter_single", lambda b, s: b * (s - 1) // s)
         wrap("all_gather_into_tensor", lambda b, s: b * (s - 1))
         if hasattr(dist, "all_gather_single"):
             wrap("all_gather_single", lambda b, s: b * (s - 1))

@@ -23,7 +23,8 @@ COMBOS = [("dlion", "vote", "binary"), ("dlion", "vote", "ternary"),
           ("dlion", "average", "binary"), ("dlion", "average", "ternary"),
           ("nesterov", "vote", "binary")]
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv", "barrier")
+                "all_gather", "broadcast", "reduce_scatter_tensor",
+                "reduce_scatter_single", "send", "recv", "barrier")
 
 
 def _model(seed=0, dtype=torch.float32):
