@@ -1,6 +1,6 @@
 // Python bindings of dlion_kernels._C: only the module definition and a docstring per function.
 // Tensors cross as raw addresses (int), CUDA streams as cudaStream_t handles (int); the module does
-// not link torch. Python floats (double) are rounded to fp32 once here, as reference.py does.
+// not link torch. Python floats (double) are rounded to fp32 once here, as kernels/reference.py does.
 // Every kernel call releases the GIL.
 #include <pybind11/pybind11.h>
 

@@ -1,6 +1,6 @@
 // Shared by the CPU and CUDA code: the tensor table, the dtype codes, the counting limits.
 //
-// The tensor table (built by dlion_kernels/native.py, an int64 tensor, structure of arrays):
+// The tensor table (built by dlion_kernels/kernels/native.py, an int64 tensor, structure of arrays):
 //   row 0  a      pointer to the first array (local_step: gradient, 0 = None; apply: param)
 //   row 1  b      pointer to the second array (local_step, apply: fp32 momentum; apply: 0 = none)
 //   row 2  numel  elements of the tensor (> 0)

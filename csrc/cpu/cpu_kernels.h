@@ -1,4 +1,5 @@
-// The three stages on the CPU (semantics: dlion_kernels/reference.py, formats: layout.py).
+// The three stages on the CPU (semantics: dlion_kernels/kernels/reference.py, formats:
+// dlion_kernels/kernels/layout.py).
 // Pointers are raw host addresses; `table` is the tensor table of common.h.
 #pragma once
 

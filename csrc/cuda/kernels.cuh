@@ -1,5 +1,6 @@
-// Device code of the three stages. Semantics: dlion_kernels/reference.py; packed formats:
-// dlion_kernels/layout.py. The launchers are in ops.cu, the one file that includes this header
+// Device code of the three stages. Semantics: dlion_kernels/kernels/reference.py; packed
+// formats: dlion_kernels/kernels/layout.py. The launchers are in ops.cu, the one file that
+// includes this header
 // (nvcc 13 instantiates a __global__ template only in the translation unit that launches it).
 //
 // local_step and apply walk a list of tensors in one launch: the grid is one CTA per chunk of

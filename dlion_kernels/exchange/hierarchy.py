@@ -37,7 +37,7 @@ One step on rank r (local rank l, node k):
 Step 5 gathers the packed aggregate instead of the updated parameters: it moves P_out bits per
 element inside the node instead of 16 or 32, needs no parameter workspace for mixed dtypes, and
 ``apply`` is deterministic, so the parameters stay bit-identical on all n ranks. On the CPU it was
-also the faster of the two (bench/bench_hierarchy_gather.py; numbers in the README).
+also the faster of the two (bench/bench_hierarchy_gather.py; numbers in docs/hierarchy.md).
 
 Overlap (``overlap=True``, ``OverlapStep``): the same phases per bucket of the bucket engine
 (``buckets.py``), during backward. Each bucket is its own block space laid out as above (S1_b =

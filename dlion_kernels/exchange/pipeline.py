@@ -426,7 +426,7 @@ class Exchange:
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
         self.backend = backends.resolve(backend, self.device)
-        self.stages = backends.get(self.backend)  # kernel stages v2 (TEAM.md)
+        self.stages = backends.get(self.backend)  # kernel stages v2 (docs/backends.md)
         self.mode, self.votes, self.nonfinite = mode, votes, nonfinite
         self.ternary = votes == "ternary"
         self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)
