@@ -105,11 +105,11 @@ def _entries():
     # FSDP2 (SPEC §10): sharded in nodes of L ranks; the replicas vote, or HSDP all-reduces
     for suffix, label, overlap in [("", "", False), ("-overlap", ", overlap", True)]:
         yield add(f"fsdp-dlion{suffix}", f"FSDP2 + D-Lion vote{label}", "fsdp", "dlion",
-                  None, nodes=True, bucketed=overlap, sync="dlion",
+                  f"fsdp-dlion-vote{suffix}", nodes=True, bucketed=overlap, sync="dlion",
                   mode="vote", overlap=overlap)
     for suffix, wire in [("", "fp32"), ("-bf16", "bf16")]:
         yield add(f"fsdp-allreduce{suffix}", f"FSDP2 HSDP ({wire} all-reduce) + Lion", "fsdp",
-                  "lion", None, nodes=True, sync="allreduce", wire=wire)
+                  "lion", f"fsdp-allreduce-{wire}", nodes=True, sync="allreduce", wire=wire)
     round2 = {"ring": "dec_ring", "one-peer-exp": "dec_one_peer_exp",
               "alternating-exp-ring": "dec_alt_exp_ring"}  # all with accum-adamw
     for topology in TOPOLOGIES:
