@@ -155,11 +155,11 @@ def worker(cfg_path: str) -> None:
         for k, t in enumerate(times):
             t[0] = starts[k + 1] - starts[k]
         wire = (tx_bytes() - wire0) if local_rank == 0 else 0
-        width = reps * 4 + 1 + len(memory)
-        everyone = torch.empty(n * width, dtype=torch.float64)
+        cols = reps * 4 + 1 + len(memory)
+        everyone = torch.empty(n * cols, dtype=torch.float64)
         gather(everyone, torch.tensor(sum(times, []) + [float(wire)] + memory,
                                       dtype=torch.float64))
-        per_rank = everyone.view(n, width)
+        per_rank = everyone.view(n, cols)
         res["times"] = per_rank[:, :reps * 4].reshape(n, reps, 4).tolist()
         res["wire_bytes_total"] = float(per_rank[:, reps * 4].sum())
         res["memory"] = per_rank[:, reps * 4 + 1:].tolist()  # [rank][params, grads, state, rss]
