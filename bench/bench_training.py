@@ -24,6 +24,9 @@ slugs; the round-2 keys in brackets are accepted too), built on each rank by
 ``dlion-vote-hier-overlap``             the same with ``overlap=True``
 ``lion-allreduce-hier`` [hier_fp32]     DDP + a hook: reduce-scatter in the node, all-reduce of the
                                         shard across nodes, all-gather in the node, then Lion
+``fsdp-dlion``, ``fsdp-dlion-overlap``  FSDP2 on each layer inside the node, D-Lion's vote between
+                                        the replicas (L > 1; not by default: ``--hier-variants``)
+``fsdp-allreduce``, ``-bf16``           FSDP2's HSDP (replica all-reduce fp32 / bf16), then Lion
 ``decentralized-<topology>-accum-adamw``  ``DecentralizedDataParallel`` + ``AccumAdamW``,
   [dec_ring, ...]                       topologies ring, one-peer-exp, alternating-exp-ring
 ======================================  ============================================================
@@ -44,7 +47,9 @@ straggler model for the decentralized / runtime-model experiments).
 Output (``bench/results/training-<stamp>/`` or ``--out``): ``bench_training.json`` (metadata with
 the command, date, ``uptime`` load before and after, torch version; ``rows``; ``summary``;
 ``bucket_fits``; ``raw`` per-rank times), ``bench_training.csv`` (rows), ``bench_training.md``
-(tables) and ``bench_training.png`` (batch sweep: whole-step ratio against D-Lion). Row schema:
+(tables, with the memory per rank: parameters, gradients and optimizer state counted from the
+tensors, and the peak RSS) and ``bench_training.png`` (batch sweep: whole-step ratio against
+D-Lion). Row schema:
 see ``ROW_SCHEMA`` below (also written into the JSON).
 
     sudo python bench/bench_training.py                  # full sweep, ~25-30 min on 2 quiet cores
