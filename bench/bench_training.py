@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         args.sweep_n, args.bucket_mbs, args.bucket_mb = 2, "0.25", 1.0
         args.warmup, args.reps = 2, 2
         args.hier_variants = "dlion-local,lion-allreduce,dlion-vote,lion-allreduce-hier," \
-            "dlion-vote-hier"
+            "dlion-vote-hier,fsdp-dlion"
     layouts = parse_layouts(args.layouts)
     try:  # slugs, or the round-2 keys recorded commands use
         args.variants = [strategies.resolve(v).slug for v in args.variants.split(",") if v]

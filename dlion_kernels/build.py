@@ -102,7 +102,7 @@ class Built:
         """Bytes this rank holds now for parameters, gradients and optimizer state, counted
         from the tensors (``exchange.sharded.memory_per_rank``: a DTensor counts its local
         shard) over the optimizer, or the gossip wrapper's optimizers."""
-        opts = [self.optimizer] if self.optimizer is not None else self.module.optimizers()
+        opts = [self.optimizer] if self.optimizer is not None else self.module.optimizers
         counts = [memory_per_rank(o) for o in opts]
         return {k: sum(c[k] for c in counts) for k in ("params", "grads", "optimizer_state")}
 

@@ -44,7 +44,8 @@ def _train(rank, n, slugs):
                                    for p in built.model.parameters()])
         out[slug] = dict(sent=sent, inter=built.inter_node_bytes, mean=built.bytes_per_step,
                          params=flat, evaluated=evaluated, grads=grads,
-                         source=built.bytes_source, stats=built.stats is not None)
+                         source=built.bytes_source, stats=built.stats is not None,
+                         memory=built.memory())
     return out
 
 
@@ -99,6 +100,15 @@ def test_built_strategies_train_and_count_their_bytes(trained):
     alt = by["decentralized-alternating-exp-ring-accum-lion"]
     assert all(r["source"] == "DecentralizedDataParallel.bytes_sent" and min(r["sent"]) > 0
                for r in alt)
+    # memory per rank, counted from the tensors: whole fp32 parameters and gradients; the
+    # optimizer's state (the gossip wrapper's optimizers: AccumAdamW's accumulator and moments;
+    # hierarchy: its 1/L shard of the node's momentum, padded to whole blocks)
+    for slug, ranks in by.items():
+        mem = ranks[0]["memory"]
+        low = 4 * d / L if slug == "dlion-vote-hier" else 4 * d
+        assert mem["params"] == 4 * d and low <= mem["optimizer_state"], (slug, mem)
+    assert by["dlion-vote-hier"][0]["memory"]["optimizer_state"] < 4 * d
+    assert by["decentralized-ring-accum-adamw"][0]["memory"]["optimizer_state"] == 12 * d
 
 
 def _refused(rank, n):
