@@ -24,6 +24,9 @@ slugs; the round-2 keys in brackets are accepted too), built on each rank by
 ``dlion-vote-hier-overlap``             the same with ``overlap=True``
 ``lion-allreduce-hier`` [hier_fp32]     DDP + a hook: reduce-scatter in the node, all-reduce of the
                                         shard across nodes, all-gather in the node, then Lion
+``fsdp-dlion``, ``fsdp-dlion-overlap``  FSDP2 on each layer inside the node, D-Lion's vote between
+                                        the replicas (L > 1; not by default: ``--hier-variants``)
+``fsdp-allreduce``, ``-bf16``           FSDP2's HSDP (replica all-reduce fp32 / bf16), then Lion
 ``decentralized-<topology>-accum-adamw``  ``DecentralizedDataParallel`` + ``AccumAdamW``,
   [dec_ring, ...]                       topologies ring, one-peer-exp, alternating-exp-ring
 ======================================  ============================================================
@@ -44,7 +47,9 @@ straggler model for the decentralized / runtime-model experiments).
 Output (``bench/results/training-<stamp>/`` or ``--out``): ``bench_training.json`` (metadata with
 the command, date, ``uptime`` load before and after, torch version; ``rows``; ``summary``;
 ``bucket_fits``; ``raw`` per-rank times), ``bench_training.csv`` (rows), ``bench_training.md``
-(tables) and ``bench_training.png`` (batch sweep: whole-step ratio against D-Lion). Row schema:
+(tables, with the memory per rank: parameters, gradients and optimizer state counted from the
+tensors, and the peak RSS) and ``bench_training.png`` (batch sweep: whole-step ratio against
+D-Lion). Row schema:
 see ``ROW_SCHEMA`` below (also written into the JSON).
 
     sudo python bench/bench_training.py                  # full sweep, ~25-30 min on 2 quiet cores
@@ -120,6 +125,14 @@ ROW_SCHEMA = {
                     "'DecentralizedDataParallel.bytes_sent'",
     "wire_bytes_per_rank": "measured: node veth tx bytes per step / L (inter-node, with headers)",
     "stats": "the StepStats fields of the last step, when the variant has them",
+    "param_bytes_per_rank": "bytes of parameters a rank holds (a DTensor: its local shard), "
+                            "counted from the tensors after the timed steps; max over ranks",
+    "grad_bytes_per_rank": "bytes of gradients a rank holds, likewise",
+    "state_bytes_per_rank": "bytes of optimizer state a rank holds, likewise",
+    "memory_bytes_per_rank": "parameters + gradients + optimizer state, max over ranks",
+    "peak_rss_mb": "peak resident set of a rank process (VmHWM, reset when the case starts; "
+                   "with --fresh-processes the case is the process's only one), max over "
+                   "ranks, MiB",
     "load_1min": "1-minute load average when the configuration started",
 }
 
@@ -197,6 +210,12 @@ def summarize(case: dict, res: dict, n: int, L: int, rate: float, load: float,
         own_fwd_ms=phase(1), own_bwd_ms=phase(2), own_opt_ms=phase(3),
         wire_bytes_per_rank=res["wire_bytes_total"] / (n * reps),
         stats=res.get("stats"))
+    if res.get("memory"):
+        mem = res["memory"]  # [rank][params, grads, state, peak rss]
+        row.update({k: max(m[j] for m in mem) for j, k in enumerate(
+            ("param_bytes_per_rank", "grad_bytes_per_rank", "state_bytes_per_rank"))})
+        row.update(memory_bytes_per_rank=max(sum(m[:3]) for m in mem),
+                   peak_rss_mb=max(m[3] for m in mem) / 2**20)
     inter = res["inter_node_bytes"]
     if inter is None:
         inter = inter_node_bytes(key, n, L, res["bytes"])
@@ -297,24 +316,27 @@ def run_config(nodes, L, rate, args, tmp, timeout) -> tuple[list[dict], list[dic
     if runnable:
         with network.Topology(nodes, rate * 1000, args.delay_ms, ranks_per_node=L,
                               prefix="dlbt") as topo:
-            label = f"-{nodes}x{L}-{rate:g}"
-            cfg = {"master": topo.addrs[0],
-                   "port": 20000 + int.from_bytes(os.urandom(2), "little") % 30000,
-                   "width": args.width, "depth": args.depth, "warmup": args.warmup,
-                   "reps": args.reps, "timeout": max(120, int(timeout)), "cases": runnable,
-                   "result": os.path.join(tmp, f"result{label}.json")}
-            cfg_path = os.path.join(tmp, f"cfg{label}.json")
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f)
-            env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
-                       + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-                       **common.CACHING_MALLOC_ENV)
-            topo.launch(lambda r: [sys.executable, WORKER, cfg_path], env, tmp, timeout,
-                        label=label)
+            # one launch for all cases, or one per case (--fresh-processes: a clean peak RSS)
+            launches = [[c] for c in runnable] if args.fresh_processes else [runnable]
+            for k, cases_k in enumerate(launches):
+                label = f"-{nodes}x{L}-{rate:g}" + (f"-{k}" if len(launches) > 1 else "")
+                cfg = {"master": topo.addrs[0],
+                       "port": 20000 + int.from_bytes(os.urandom(2), "little") % 30000,
+                       "width": args.width, "depth": args.depth, "warmup": args.warmup,
+                       "reps": args.reps, "timeout": max(120, int(timeout)), "cases": cases_k,
+                       "result": os.path.join(tmp, f"result{label}.json")}
+                cfg_path = os.path.join(tmp, f"cfg{label}.json")
+                with open(cfg_path, "w") as f:
+                    json.dump(cfg, f)
+                env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
+                           + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                           **common.CACHING_MALLOC_ENV)
+                topo.launch(lambda r: [sys.executable, WORKER, cfg_path], env, tmp, timeout,
+                            label=label)
+                with open(cfg["result"]) as f:
+                    results.update({r["index"]: r for r in json.load(f)})
             info = {"shaper": topo.shaper, "netem_error": topo.netem_error,
                     "subnet": topo.subnet}
-            with open(cfg["result"]) as f:
-                results = {r["index"]: r for r in json.load(f)}
     d = args.depth * (args.width * args.width + args.width)
     rows = [summarize(c, results.get(c.get("index")), n, L, rate, load, d) for c in cases]
     raw = [{"n": n, "ranks_per_node": L, "rate_gbps": rate, "variant": c["variant"],
@@ -366,6 +388,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=2400.0,
                     help="configurations not started by then are skipped and listed")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="start the rank processes anew for every case (each case then runs "
+                    "twice, the first dropped): a peak RSS of that case alone")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
 
@@ -375,7 +400,7 @@ def main(argv=None) -> int:
         args.sweep_n, args.bucket_mbs, args.bucket_mb = 2, "0.25", 1.0
         args.warmup, args.reps = 2, 2
         args.hier_variants = "dlion-local,lion-allreduce,dlion-vote,lion-allreduce-hier," \
-            "dlion-vote-hier"
+            "dlion-vote-hier,fsdp-dlion"
     layouts = parse_layouts(args.layouts)
     try:  # slugs, or the round-2 keys recorded commands use
         args.variants = [strategies.resolve(v).slug for v in args.variants.split(",") if v]
@@ -497,6 +522,19 @@ def markdown(rows, fits, meta, notes, skipped, wall, out_dir) -> str:
         ("hidden_fraction", "comm hidden", ".2f"),
         ("bytes_per_rank", "bytes/rank"), ("wire_bytes_per_rank", "veth bytes/rank", ".3g"),
         ("load_1min", "load")], title="Whole training steps (slowest rank, median)"))
+    mem = [dict(r, **{k + "_mb": r[k] / 2**20 for k in (
+        "param_bytes_per_rank", "grad_bytes_per_rank", "state_bytes_per_rank",
+        "memory_bytes_per_rank")}) for r in main_rows if "memory_bytes_per_rank" in r]
+    if mem:
+        md.append(common.markdown_table(mem, [
+            ("rate_gbps", "Gbit/s"), ("layout", "layout"), ("label", "variant"),
+            ("inter_node_bytes_per_rank", "bytes/rank between nodes"),
+            ("param_bytes_per_rank_mb", "params MiB", ".1f"),
+            ("grad_bytes_per_rank_mb", "grads MiB", ".1f"),
+            ("state_bytes_per_rank_mb", "optimizer state MiB", ".1f"),
+            ("memory_bytes_per_rank_mb", "sum MiB", ".1f"), ("peak_rss_mb", "peak RSS MiB", ".0f")],
+            title="Memory per rank (counted from the tensors; max over ranks) and bytes "
+                  "between nodes"))
     batch = [r for r in rows if r["status"] == "ok" and r["variant"] in BATCH_SWEEP_VARIANTS
              and r["sweep"] in ("main", "batch") and r["ranks_per_node"] == 1
              and any(x["sweep"] == "batch" and x["n"] == r["n"] for x in rows)]

@@ -41,6 +41,24 @@ def engine_buckets(obj, depth=2):
     return walk(obj, depth)
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (VmHWM) again from its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak is the process's since its start (read_peak_rss says which)
+
+
+def read_peak_rss() -> float:
+    """VmHWM of this process, bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    return float("nan")
+
+
 def worker(cfg_path: str) -> None:
     """One rank, inside its node's namespace (RANK etc. from the environment)."""
     import torch
@@ -86,6 +104,8 @@ def worker(cfg_path: str) -> None:
         res = {"index": case["index"]}
         if pos == 1:
             results.clear()
+        gc.collect()
+        reset_peak_rss()
         try:
             built = make(case)
         except (ValueError, TypeError, NotImplementedError) as e:
@@ -126,15 +146,23 @@ def worker(cfg_path: str) -> None:
         built.finish()
         dist.barrier()
         t_end = time.perf_counter()
+        # counted from the tensors after the last step (its gradients still held), and the
+        # process's peak RSS since this case started
+        memory = built.memory()
+        memory = [memory["params"], memory["grads"], memory["optimizer_state"],
+                  read_peak_rss()]
         starts = [t[0] for t in times] + [t_end]
         for k, t in enumerate(times):
             t[0] = starts[k + 1] - starts[k]
         wire = (tx_bytes() - wire0) if local_rank == 0 else 0
-        everyone = torch.empty(n * (reps * 4 + 1), dtype=torch.float64)
-        gather(everyone, torch.tensor(sum(times, []) + [float(wire)], dtype=torch.float64))
-        per_rank = everyone.view(n, reps * 4 + 1)
-        res["times"] = per_rank[:, :-1].reshape(n, reps, 4).tolist()
-        res["wire_bytes_total"] = float(per_rank[:, -1].sum())
+        cols = reps * 4 + 1 + len(memory)
+        everyone = torch.empty(n * cols, dtype=torch.float64)
+        gather(everyone, torch.tensor(sum(times, []) + [float(wire)] + memory,
+                                      dtype=torch.float64))
+        per_rank = everyone.view(n, cols)
+        res["times"] = per_rank[:, :reps * 4].reshape(n, reps, 4).tolist()
+        res["wire_bytes_total"] = float(per_rank[:, reps * 4].sum())
+        res["memory"] = per_rank[:, reps * 4 + 1:].tolist()  # [rank][params, grads, state, rss]
         res["bytes"], res["bytes_source"] = round(sent / reps), built.bytes_source
         res["inter_node_bytes"] = built.inter_node_bytes
         if built.stats is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .decentralized.wrapper import DecentralizedDataParallel
+from .exchange.sharded import local, memory_per_rank
 from .optim.accum import AccumAdamW, AccumLion
 from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
@@ -93,7 +96,15 @@ class Built:
     def stats(self):
         """The last D-Lion ``StepStats`` when the byte counts come from them, else None (the
         Lion of an all-reduce strategy steps on a group of one: its stats count no bytes)."""
-        return self.optimizer.last_stats if self.bytes_source == "StepStats" else None
+        return self.optimizer.last_stats if self.bytes_source.startswith("StepStats") else None
+
+    def memory(self) -> dict:
+        """Bytes this rank holds now for parameters, gradients and optimizer state, counted
+        from the tensors (``exchange.sharded.memory_per_rank``: a DTensor counts its local
+        shard) over the optimizer, or the gossip wrapper's optimizers."""
+        opts = [self.optimizer] if self.optimizer is not None else self.module.optimizers
+        counts = [memory_per_rank(o) for o in opts]
+        return {k: sum(c[k] for c in counts) for k in ("params", "grads", "optimizer_state")}
 
     @property
     def bytes_per_step(self) -> int:
@@ -279,6 +290,124 @@ def _dlion(strategy: Strategy, model, n: int, s: Settings) -> Built:
     return Built(strategy, model, module, opt, _stats_bytes(opt), "StepStats")
 
 
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_mesh(L: int, device_type: str):
+    """The (N replicas x L shards) device mesh, dims "replicate" and "shard"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = dist.get_world_size()
+    return _cached(("mesh", L, device_type), lambda: init_device_mesh(
+        device_type, (n // L, L), mesh_dim_names=("replicate", "shard")))
+
+
+def _fsdp_units(model):
+    """The modules ``fully_shard`` wraps before the root: each child of the root that holds
+    parameters, and for a ModuleList / ModuleDict child (whose forward never runs) each of its
+    members instead."""
+    for child in model.children():
+        members = child.children() if isinstance(
+            child, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [child]
+        yield from (m for m in members if next(m.parameters(), None) is not None)
+
+
+def _padded_shard(p, L: int) -> int:
+    """Elements of a parameter's local shard as FSDP2 pads it: ceil(rows / L) rows."""
+    rows = p.shape[0] if p.dim() else 1
+    return math.ceil(rows / L) * (p.numel() // rows if rows else 0)
+
+
+def _fsdp_bytes(units, model, L: int, N: int, reduce_bytes: int, hsdp: bool):
+    """(bytes inside the node, bytes between nodes) a rank sends per step in FSDP2's own
+    collectives, by the ring formulas: per unit an all-gather of the parameter shards in forward and
+    again in backward (the root's parameters stay unsharded in between), a reduce-scatter of
+    the gradients in ``reduce_bytes`` per element; with HSDP the all-reduce of the shard among the N
+    replicas. Checked against the counted collectives in python_tests/test_build.py."""
+    own = {id(p) for u in units for p in u.parameters()}
+    root = [p for p in model.parameters() if id(p) not in own]
+    intra = inter = 0
+    for params, gathers in [(list(u.parameters()), 2) for u in units] + [(root, 1)]:
+        shard = sum(_padded_shard(p, L) for p in params)
+        gathered = sum(_padded_shard(p, L) * p.element_size() for p in params)
+        intra += (L - 1) * (gathers * gathered + shard * reduce_bytes)
+        if hsdp:
+            inter += _ring_bytes(N, reduce_bytes * shard)
+    return intra, inter
+
+
+class _ShardLion:
+    """Plain Lion (``_local_optimizer``, as lion-allreduce) on this rank's shards of HSDP's
+    parameters, whose gradients FSDP2 has averaged over all n ranks: every replica of a shard
+    takes the same step. DistributedLion refuses HSDP's (Replicate, Shard) DTensors (it would
+    vote between the replicas itself), so it steps aliases of their local tensors (the same
+    storage), made at the first step, after FSDP2's lazy initialization may have re-padded
+    the shards."""
+
+    def __init__(self, params, s: Settings):
+        self.params, self.settings, self.inner = list(params), s, None
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups if self.inner is not None else []
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    def step(self):
+        if self.inner is None:
+            aliases = [local(p).detach().requires_grad_() for p in self.params]
+            self.inner = _local_optimizer("lion", aliases, self.settings, _solo_group())
+        for p, x in zip(self.params, self.inner.param_groups[0]["params"]):
+            x.grad = local(p.grad)
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=True)
+
+
+def _fsdp(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    """FSDP2 in nodes of L ranks (each ModuleList member / child, then the root): on the shard
+    dimension with D-Lion's vote between the N = n / L replicas, or HSDP on the whole mesh
+    (FSDP2 all-reduces the replicas' shards itself) with Lion on each shard. Bytes: D-Lion's
+    StepStats between nodes; FSDP2's own collectives by the ring formulas (``_fsdp_bytes``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    o, L = strategy.options, s.ranks_per_node
+    mesh = _fsdp_mesh(L, next(model.parameters()).device.type)
+    with torch.no_grad():  # FSDP2 does not broadcast: every replica starts from rank 0's, as DDP
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t, 0)
+    hsdp = o["sync"] == "allreduce"
+    kw = dict(mesh=mesh if hsdp else mesh["shard"])
+    if o.get("wire") == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    units = list(_fsdp_units(model))
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw)
+    intra, inter = _fsdp_bytes(units, model, L, n // L, 2 if o.get("wire") == "bf16" else 4,
+                               hsdp)
+    if hsdp:
+        opt = _ShardLion(model.parameters(), s)
+        return Built(strategy, model, model, opt, lambda: (intra + inter, inter), "formula")
+    kw = dict(lr=s.lion_lr, mode=o["mode"], weight_decay=s.weight_decay, backend=s.backend,
+              device_mesh=mesh)
+    if o["overlap"]:
+        kw.update(overlap=True, bucket_mb=s.bucket_mb)
+    opt = DistributedLion(model.parameters(), **kw)
+
+    def sent():
+        stats = opt.last_stats
+        return stats.bytes_sent + intra, stats.inter_node_bytes_sent
+
+    return Built(strategy, model, model, opt, sent, "StepStats + formula (FSDP2)")
+
+
 def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
     """DecentralizedDataParallel with the named optimizer per bucket (it steps in backward)."""
     K, name = s.accum_steps or n, strategy.optimizer
@@ -305,5 +434,5 @@ def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
                  finish=ddp.synchronize, evaluation=ddp.global_average)
 
 
-BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion,
+BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion, "fsdp": _fsdp,
             "decentralized": _decentralized}

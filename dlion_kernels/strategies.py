@@ -11,6 +11,11 @@ lowercase and dash-separated, family first, then what sets it apart:
   (``overlap=True``), ``-hier`` (``hierarchy=L``: nodes of L consecutive ranks, L the run's ranks
   per node), ``-hier-overlap``, and ``-ddp-hook`` (``register_ddp_comm_hook`` on a DDP model)
 - ``dlion-local``: D-Lion on a group of one rank (a local tally): the step with no communication
+- ``fsdp-dlion``, ``fsdp-dlion-overlap``: FSDP2 (``fully_shard``) on the shard dimension of an
+  (N replicas x L shards) mesh, L the run's ranks per node, and ``DistributedLion(device_mesh=)``
+  voting between the replicas (vote mode; ``-overlap``: ``overlap=True``); ``fsdp-allreduce``,
+  ``fsdp-allreduce-bf16``: FSDP2's own HSDP (``fully_shard`` on the 2-D mesh: reduce-scatter in
+  the node, all-reduce of the shard between the replicas, fp32 or bf16), then Lion on each shard
 - ``decentralized-<topology>-<optimizer>``: ``DecentralizedDataParallel`` on a topology of
   ``topologies.py`` with ``accum-adamw``, ``accum-lion`` or ``adamw`` per bucket
 
@@ -44,7 +49,7 @@ class Strategy:
 
     slug: str
     label: str  # its name in tables
-    family: str  # which builder runs it: allreduce, local, dlion, decentralized
+    family: str  # which builder runs it: allreduce, local, dlion, fsdp, decentralized
     optimizer: str  # the update on each rank: adamw, lion, dlion, accum-adamw, accum-lion
     row: str | None  # the runtime model's row that predicts its step, or None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
@@ -97,6 +102,14 @@ def _entries():
                       nodes=hier, bucketed=overlap or hook,
                       legacy=legacy if mode == "vote" else None, mode=mode, overlap=overlap,
                       hierarchy=hier, ddp_hook=hook)
+    # FSDP2 (SPEC §10): sharded in nodes of L ranks; the replicas vote, or HSDP all-reduces
+    for suffix, label, overlap in [("", "", False), ("-overlap", ", overlap", True)]:
+        yield add(f"fsdp-dlion{suffix}", f"FSDP2 + D-Lion vote{label}", "fsdp", "dlion",
+                  f"fsdp-dlion-vote{suffix}", nodes=True, bucketed=overlap, sync="dlion",
+                  mode="vote", overlap=overlap)
+    for suffix, wire in [("", "fp32"), ("-bf16", "bf16")]:
+        yield add(f"fsdp-allreduce{suffix}", f"FSDP2 HSDP ({wire} all-reduce) + Lion", "fsdp",
+                  "lion", f"fsdp-allreduce-{wire}", nodes=True, sync="allreduce", wire=wire)
     round2 = {"ring": "dec_ring", "one-peer-exp": "dec_one_peer_exp",
               "alternating-exp-ring": "dec_alt_exp_ring"}  # all with accum-adamw
     for topology in TOPOLOGIES:

@@ -44,7 +44,8 @@ def _train(rank, n, slugs):
                                    for p in built.model.parameters()])
         out[slug] = dict(sent=sent, inter=built.inter_node_bytes, mean=built.bytes_per_step,
                          params=flat, evaluated=evaluated, grads=grads,
-                         source=built.bytes_source, stats=built.stats is not None)
+                         source=built.bytes_source, stats=built.stats is not None,
+                         memory=built.memory())
     return out
 
 
@@ -99,6 +100,15 @@ def test_built_strategies_train_and_count_their_bytes(trained):
     alt = by["decentralized-alternating-exp-ring-accum-lion"]
     assert all(r["source"] == "DecentralizedDataParallel.bytes_sent" and min(r["sent"]) > 0
                for r in alt)
+    # memory per rank, counted from the tensors: whole fp32 parameters and gradients; the
+    # optimizer's state (the gossip wrapper's optimizers: AccumAdamW's accumulator and moments;
+    # hierarchy: its 1/L shard of the node's momentum, padded to whole blocks)
+    for slug, ranks in by.items():
+        mem = ranks[0]["memory"]
+        low = 4 * d / L if slug == "dlion-vote-hier" else 4 * d
+        assert mem["params"] == 4 * d and low <= mem["optimizer_state"], (slug, mem)
+    assert by["dlion-vote-hier"][0]["memory"]["optimizer_state"] < 4 * d
+    assert by["decentralized-ring-accum-adamw"][0]["memory"]["optimizer_state"] == 12 * d
 
 
 def _refused(rank, n):
@@ -137,3 +147,127 @@ def test_bad_settings(kwargs, error, match):
 def test_build_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialized default process group"):
         b.build("dlion-vote", _model(), b.Settings())
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+FSDP = ["fsdp-dlion", "fsdp-dlion-overlap", "fsdp-allreduce", "fsdp-allreduce-bf16"]
+_FSDP_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                     "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+class RingBytes:
+    """Bytes this rank hands to the collectives, by the ring formulas (all-gather: (p-1)
+    inputs, reduce-scatter and all_to_all: (p-1)/p of the input, all-reduce: 2 (p-1)/p), split
+    into ``inter`` (the replicate group: between nodes) and ``intra`` (any other group)."""
+
+    def __init__(self, replicate):
+        self.replicate, self.inter, self.intra, self.saved = replicate, 0, 0, {}
+
+    def __enter__(self):
+        for name in _FSDP_COLLECTIVES:
+            if hasattr(dist, name):
+                self.saved[name] = getattr(dist, name)
+                setattr(dist, name, self._counted(name, self.saved[name]))
+        return self
+
+    def _counted(self, name, original):
+        def counted(*args, group=None, **kwargs):
+            tensor = (args[0] if args else kwargs["tensor"]) if name == "all_reduce" else (
+                args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor")))
+            p, nbytes = dist.get_world_size(group), tensor.numel() * tensor.element_size()
+            if name.startswith("all_gather"):
+                sent = nbytes * (p - 1)
+            elif name == "all_reduce":
+                sent = round(2 * (p - 1) / p * nbytes)
+            else:
+                sent = nbytes * (p - 1) // p
+            if group is self.replicate:
+                self.inter += sent
+            else:
+                self.intra += sent
+            return original(*args, group=group, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _fsdp_train(rank, n):
+    out = {}
+    for slug in FSDP + ["lion-allreduce"]:
+        built = b.build(slug, _model(), SETTINGS)
+        fsdp = slug.startswith("fsdp")
+        replicate = b._fsdp_mesh(L, "cpu")["replicate"].get_group() if fsdp else None
+        steps = []
+        for step in range(2):
+            torch.manual_seed(100 * rank + step)
+            with RingBytes(replicate) as counted:
+                built.zero_grad()
+                built(torch.randn(8, 40)).square().mean().backward()
+                sent = built.step()
+            if not fsdp:
+                steps.append(dict(params=[p.detach().clone() for p in built.model.parameters()]))
+                continue
+            shards = [p.to_local().detach() for p in built.model.parameters()]
+            same = True  # the replicas of this rank's shards hold the same bits
+            for mine in shards:
+                got = [torch.empty_like(mine) for _ in range(N // L)]
+                dist.all_gather(got, mine.contiguous(), group=replicate)
+                same &= all(torch.equal(g, mine) for g in got)
+            steps.append(dict(sent=sent, inter=built.inter_node_bytes, counted_inter=counted.inter,
+                              counted=counted.inter + counted.intra, same=same,
+                              params=[p.full_tensor() for p in built.model.parameters()],
+                              shard=sum(t.numel() for t in shards)))
+        out[slug] = dict(steps=steps, memory=built.memory() if fsdp else None,
+                         source=built.bytes_source, stats=built.stats is not None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_trained():
+    return run_workers(N, _fsdp_train)
+
+
+def test_fsdp_strategies_train_with_replicas_identical(fsdp_trained):
+    """Each FSDP2 slug on a 2 x 2 mesh: trains, the replicas of every shard hold the same bits
+    after each step, and the parameters (gathered) are the same on every rank."""
+    start = [p.detach() for p in _model().parameters()]
+    for slug in FSDP:
+        ranks = [r[slug] for r in fsdp_trained]
+        for t in range(2):
+            assert all(r["steps"][t]["same"] for r in ranks), (slug, t)
+            full = [r["steps"][t]["params"] for r in ranks]
+            assert all(all(torch.equal(a, c) for a, c in zip(f, full[0])) for f in full), slug
+        assert not all(torch.equal(a, c) for a, c in zip(ranks[0]["steps"][1]["params"], start))
+    # HSDP's fp32 all-reduce then Lion is lion-allreduce's step on the same mean gradient, to
+    # within a sign flip where a mean is near zero and the two sum in another order
+    lr = SETTINGS.lion_lr
+    for x, y in zip(fsdp_trained[0]["fsdp-allreduce"]["steps"][1]["params"],
+                    fsdp_trained[0]["lion-allreduce"]["steps"][1]["params"]):
+        torch.testing.assert_close(x, y, rtol=0, atol=4 * lr + 1e-6)
+        assert (x == y).float().mean() > 0.95
+
+
+def test_fsdp_bytes_and_memory(fsdp_trained):
+    """Bytes per step: FSDP2's collectives by the formula of build._fsdp_bytes equal those
+    counted at the collectives (ring conventions), D-Lion's between nodes its StepStats; memory
+    per rank: parameters, gradients and momentum of the local shards (fp32)."""
+    for slug in FSDP:
+        for r in fsdp_trained:
+            got = r[slug]
+            for s in got["steps"]:
+                assert s["sent"] == s["counted"] and s["inter"] == s["counted_inter"], slug
+                assert s["inter"] > 0
+            shard = got["steps"][0]["shard"]
+            assert got["memory"] == dict(params=4 * shard, grads=4 * shard,
+                                         optimizer_state=4 * shard), slug
+            dlion = slug.startswith("fsdp-dlion")
+            assert got["source"] == ("StepStats + formula (FSDP2)" if dlion else "formula")
+            assert got["stats"] == dlion
+    one = fsdp_trained[0]
+    fp32 = one["fsdp-allreduce"]["steps"][0]["inter"]
+    assert one["fsdp-allreduce-bf16"]["steps"][0]["inter"] == fp32 // 2
+    assert one["fsdp-dlion"]["steps"][0]["inter"] < fp32 / 8

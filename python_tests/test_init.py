@@ -37,7 +37,7 @@ def test_plan_without_torch():
         "    print('refused:', e)\n"))
     assert out.returncode == 0, out.stderr
     fastest, refused = out.stdout.splitlines()
-    assert fastest.startswith("dlion-")
+    assert "dlion-" in fastest  # a D-Lion row: flat, hierarchical or on FSDP2
     assert refused.startswith("refused:") and "torch" in refused  # torch really was blocked
 
 

@@ -29,6 +29,10 @@ each from the same initial weights per seed; by default:
 - dlion-vote-overlap: the exchange overlapped with backward (bit-identical to dlion-vote)
 - dlion-vote-hier: exact gradient mean inside nodes of L = ``--ranks-per-node`` workers, the
   nodes vote
+- fsdp-dlion, fsdp-allreduce (any ``--strategy``, not by default): FSDP2 shards every block,
+  the embeddings, the final norm and the head over the ``--ranks-per-node`` workers of a node
+  (a mesh of N replicas x L shards); the N replicas vote (D-Lion) or HSDP all-reduces their
+  gradient shards (then Lion). Each worker holds 1/L of the parameters, gradients and momentum
 - decentralized-<topology>-accum-adamw: ``DecentralizedDataParallel`` with ``AccumAdamW``
   (K = the number of workers, the AdamW learning rate, as the paper's recipe) on the ring,
   one-peer-exp and alternating-exp-ring (nodes of ``--ranks-per-node``) topologies; evaluated on
@@ -38,7 +42,10 @@ DDP's buckets, D-Lion's overlap buckets and the gossip buckets are all 0.125 MB.
 
 The table gives per strategy the validation loss (mean and sample standard deviation over the
 seeds), the bytes each rank sent per step (the mean over steps: alternating-exp-ring's groups
-change size), and the wall time of one training run (mean over seeds).
+change size) and of those the bytes to other nodes where the strategy has nodes, the memory a
+worker holds for parameters, gradients and optimizer state at the end (counted from the
+tensors: a sharded parameter counts its shard), and the wall time of one training run (mean
+over seeds).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import statistics
 import sys
 import sysconfig
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -236,6 +244,7 @@ def train_one(name, args, seed, rank, n, device, data):
         if it >= args.iters - max(1, args.iters // 10):
             recent += torch.stack([loss.detach(), torch.ones((), device=device)])
     wall = time.perf_counter() - start
+    memory = built.memory()  # the last step's gradients are still held
     # Before the last mixing: decentralized ranks hold different parameters, the others not.
     differ = not same_on_all_ranks(model, n)
     tic = time.perf_counter()
@@ -258,7 +267,7 @@ def train_one(name, args, seed, rank, n, device, data):
         "own_val_loss_mean": own.item() / n, "train_loss_end": (recent[0] / recent[1]).item(),
         "bytes_per_step": built.bytes_per_step, "steps": built.steps,
         "inter_node_bytes_per_step": built.inter_node_bytes, "wall_s": wall_t.item(),
-        "ranks_differ": differ, "eval_in_sync": eval_in_sync,
+        "ranks_differ": differ, "eval_in_sync": eval_in_sync, "memory": memory,
         "numel": sum(p.numel() for p in model.parameters()), "workers": n,
         "ranks_per_node": ranks_per_node(args, n),
     }
@@ -266,6 +275,11 @@ def train_one(name, args, seed, rank, n, device, data):
 
 def run(rank, n, args, device):
     """Every strategy and seed on one rank (process group already set up); rank 0 gets rows."""
+    # FSDP2 warns once per module class whose output is a view (Linear on 3-D input, the
+    # model's logits): an in-place op on such an output would skip its backward hook. This
+    # model and loop never write into an output.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view",
+                            category=UserWarning)
     data = load_text()
     if args.strategy == [AUTO]:
         numel = sum(p.numel() for p in make_model(args, args.seeds[0]).parameters())
@@ -305,6 +319,7 @@ def summarize(rows) -> list[dict]:
             "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
             "bytes_per_step": round(statistics.fmean(r["bytes_per_step"] for r in runs)),
             "inter_node_bytes_per_step": runs[0]["inter_node_bytes_per_step"],
+            "memory": runs[0].get("memory"),
             "wall_s": statistics.fmean(r["wall_s"] for r in runs),
             "ranks_differ": any(r["ranks_differ"] for r in runs),
             "eval_in_sync": all(r["eval_in_sync"] for r in runs)})
@@ -316,15 +331,19 @@ def format_table(table, rows) -> str:
     fp32 = allreduce_fp32_bytes(rows[0]["numel"], n)
     lines = [
         (f"| strategy ({n} workers, {rows[0]['steps']} iterations) | validation loss (mean ± std "
-        f"over {seeds} seed{'s' if seeds > 1 else ''}) | bytes sent / rank / step | vs fp32 "
-        "all-reduce | wall time / run (s) |"),
-        "|---|---|---|---|---|",
+        f"over {seeds} seed{'s' if seeds > 1 else ''}) | bytes sent / rank / step | of which "
+        "between nodes | vs fp32 all-reduce | memory / rank (kB): params + grads + state | "
+        "wall time / run (s) |"),
+        "|---|---|---|---|---|---|---|",
     ]
     for t in table:
-        b = t["bytes_per_step"]
+        b, inter, mem = t["bytes_per_step"], t["inter_node_bytes_per_step"], t.get("memory")
         ratio = "1" if b == fp32 else (f"1/{fp32 / b:.1f}" if b else "-")
+        inter = "-" if inter is None else f"{inter:,}"
+        mem = "-" if mem is None else " + ".join(
+            f"{mem[k] / 1e3:.0f}" for k in ("params", "grads", "optimizer_state"))
         lines.append(f"| {t['label']} | {t['val_loss_mean']:.4f} ± {t['val_loss_std']:.4f} | "
-                     f"{b:,} | {ratio} | {t['wall_s']:.1f} |")
+                     f"{b:,} | {inter} | {ratio} | {mem} | {t['wall_s']:.1f} |")
     initial = statistics.fmean(r["initial_val_loss"] for r in rows)
     lines.append("")
     if any(strategies.get(t["strategy"]).nodes for t in table):
@@ -338,10 +357,6 @@ def report(rows, args, total_s) -> list[dict]:
     table = summarize(rows)
     print()
     print(format_table(table, rows))
-    for t in table:
-        if t["inter_node_bytes_per_step"] is not None:
-            print(f"{t['label']}: of which between nodes {t['inter_node_bytes_per_step']:,} "
-                  "bytes / rank / step")
     print(f"total time {total_s:.0f} s")
     bad = [t["strategy"] for t in table if not t["eval_in_sync"]
            or (t["ranks_differ"] and strategies.get(t["strategy"]).family != "decentralized")]

@@ -123,17 +123,24 @@ def choose_auto(args, n: int, rank: int, numel: int, bucket_mb: float) -> str:
 
 def same_on_all_ranks(model_or_tensor, n) -> bool:
     """Whether every rank holds bit-identical values (all parameters of a module, or a tensor),
-    checked cheaply through one float64 scalar per rank."""
+    checked cheaply through one float64 scalar per rank. FSDP2's sharded parameters (DTensors)
+    are gathered whole first (collective in their shard group): the replicas must agree."""
     if isinstance(model_or_tensor, torch.Tensor):
         check = model_or_tensor.detach().double().sum().reshape(())
     else:
-        check = torch.stack([p.detach().double().sum()
+        check = torch.stack([_whole(p).double().sum()
                              for p in model_or_tensor.parameters()]).sum()
     if n == 1:
         return True
     gathered = [torch.zeros_like(check) for _ in range(n)]
     dist.all_gather(gathered, check)
     return all(torch.equal(g, check) for g in gathered)
+
+
+def _whole(p):
+    from dlion_kernels.exchange.sharded import is_dtensor
+
+    return p.detach().full_tensor() if is_dtensor(p) else p.detach()
 
 
 def allreduce_fp32_bytes(numel: int, n: int) -> int:

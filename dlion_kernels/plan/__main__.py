@@ -29,6 +29,7 @@ COLUMNS = [  # (header, row field, scale, format)
     ("intra MB", "intra_bytes_per_rank", 1e-6, "{:.2f}"),
     ("inter MB", "inter_bytes_per_rank", 1e-6, "{:.2f}"),
     ("buckets", "buckets", None, "{}"),
+    ("mem MB", "memory_bytes_per_rank", 1e-6, "{:.1f}"),
 ]
 
 LEGEND = """\
@@ -36,7 +37,8 @@ step ms: predicted time of one training step (slowest rank); compute ms: fwd + b
 of one rank; wait ms: expected wait for the slowest rank it synchronises with (all n, or the
 gossip group); comm ms: all its collectives back to back; exposed ms: the part of comm ms the
 step waits for (the rest hides behind backward, or a whole iteration for gossip); MB/rank: bytes
-each rank sends per step (10^6), split into intra-node and inter-node links."""
+each rank sends per step (10^6), split into intra-node and inter-node links; mem MB: what a rank
+holds for parameters, gradients and optimizer state (- where the strategy's optimizer decides)."""
 
 
 def table(rows) -> str:
@@ -46,7 +48,8 @@ def table(rows) -> str:
     sep = "|" + "|".join("---" if f == "strategy" else "---:" for _, f, *_ in COLUMNS) + "|"
     lines = [head, sep]
     for d in dicts:
-        cells = [fmt.format(d[f] * s if s else d[f]) for _, f, s, fmt in COLUMNS]
+        cells = ["-" if d.get(f) is None else fmt.format(d[f] * s if s else d[f])
+                 for _, f, s, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -47,9 +47,22 @@ intervals during backward; one communication channel, buckets exchanged in order
   inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
   does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
   on all elements (on 1/L with gathered parameters).
+- ``fsdp-allreduce-fp32`` / ``-bf16`` and ``fsdp-dlion-vote[-overlap]`` (SPEC §10, L > 1):
+  FSDP2 in nodes of L, each bucket one FSDP unit. Forward: each unit's parameter shards are
+  all-gathered in the node (prefetched one unit ahead on the one channel) before its compute;
+  backward: gathered again, then the unit's gradients reduce-scattered in the node (fp32; bf16
+  for HSDP's ``-bf16``), and then HSDP all-reduces the shard among the N replicas (the L
+  replicate groups share the node's NIC) while D-Lion votes on it (``-overlap``: per unit
+  during backward; else once after backward, on all d / L local elements), with the header
+  gather inside the node (8 N bytes from each of the L - 1 peers). Optimizer on d / L.
 - ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
   a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
   topology's schedule is averaged over its period.
+
+Every row but the decentralized ones also gives the memory a rank holds for parameters,
+gradients and optimizer state (fp32 momentum, Lion's or D-Lion's; a DDP row's optimizer is
+Lion): d of each (momentum d / L under ``hierarchy``), 1/L of each under FSDP2. The
+decentralized rows leave it None (it depends on the optimizer run in each bucket).
 
 Rows are named after the exchange they model; ``dlion_kernels/strategies.py`` names the strategy
 each one predicts (``Strategy.row``), and ``rank_strategies`` predicts named strategies.
@@ -369,9 +382,19 @@ class Row:
     buckets: int
     algorithm: str
     options: dict  # how to run it: kind, mode, overlap, hierarchy, topology, dtype
+    # what a rank holds (bytes), None where the row does not fix it (decentralized)
+    param_bytes_per_rank: float | None = None
+    grad_bytes_per_rank: float | None = None
+    state_bytes_per_rank: float | None = None
+
+    @property
+    def memory_bytes_per_rank(self) -> float | None:
+        """Parameters + gradients + optimizer state, or None."""
+        parts = (self.param_bytes_per_rank, self.grad_bytes_per_rank, self.state_bytes_per_rank)
+        return None if None in parts else sum(parts)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), memory_bytes_per_rank=self.memory_bytes_per_rank)
 
 
 def _counts(sizes: list[int]) -> list[tuple[int, int]]:
@@ -424,7 +447,15 @@ def _ddp_row(cl, w, name, wire_bytes):
     step = start + w.bwd + exposed + w.opt
     return Row(name, step, w.fwd + w.bwd + w.opt, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), costs[0].algorithm,
-               {"kind": "allreduce", "dtype": "fp32" if wire_bytes == 4 else "bf16"})
+               {"kind": "allreduce", "dtype": "fp32" if wire_bytes == 4 else "bf16"},
+               *_memory(w, 1, 1))
+
+
+def _memory(w, shards: int, momentum_shards: int) -> tuple[float, float, float]:
+    """(parameter, gradient, fp32 momentum) bytes per rank, the first two split over
+    ``shards`` ranks, the momentum over ``momentum_shards``."""
+    return (w.d * w.param_bytes / shards, w.d * w.grad_bytes / shards,
+            4.0 * w.d / momentum_shards)
 
 
 def _dlion_row(cl, w, mode, overlap, L):
@@ -476,7 +507,72 @@ def _dlion_row(cl, w, mode, overlap, L):
     return Row(name, step, w.fwd + w.bwd + local + apply, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), algo,
                {"kind": "dlion", "mode": mode, "votes": "binary", "overlap": overlap,
-                "hierarchy": L})
+                "hierarchy": L}, *_memory(w, 1, L))
+
+
+def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
+              overlap: bool = False):
+    """FSDP2 in nodes of L = cl.L (module docstring): ``sync`` "allreduce" (HSDP, the replica
+    all-reduce in ``wire_bytes`` per element) or "dlion" (the N replicas vote)."""
+    L, N = cl.L, cl.nodes
+    intra_g = Group(L, 1, L)
+    inter_g = Group(N, N, 1, streams=L)  # the node's L replicate groups share its NIC
+    sizes = _bucket_sizes(w.d, w.bucket_elems)
+    tensors = max(1, math.ceil(w.tensors / len(sizes)))
+    reduce_bytes = wire_bytes if sync == "allreduce" else 4
+    gather = {s: all_gather(cl, intra_g, s / L * w.param_bytes) for s, _ in _counts(sizes)}
+
+    def after(s):  # a unit's collectives once its backward is done
+        c = reduce_scatter(cl, intra_g, s * reduce_bytes)
+        if sync == "allreduce":
+            return c + all_reduce(cl, inter_g, s / L * wire_bytes)
+        return c + dlion_exchange(cl, inter_g, s / L, tensors, mode) if overlap else c
+
+    done = {s: after(s) for s, _ in _counts(sizes)}
+    votes = headers = Cost()
+    if sync == "dlion":
+        headers = all_gather(cl, intra_g, N * HEADER_WORDS * WORD_BYTES)
+        if not overlap:
+            votes = dlion_exchange(cl, inter_g, w.d / L, w.tensors, mode)
+    opt = w.opt / L
+    local = opt * LOCAL_FRACTION if sync == "dlion" else 0.0
+    wait = expected_max(cl.n, w.jitter, w.dist)
+    start = wait
+    # One channel, collectives in issue order. Forward: unit k's compute waits for its gather
+    # (``ready``); the next unit's gather is issued as it starts.
+    chan = ready = start + gather[sizes[0]].ms
+    comp = start
+    for k, s in enumerate(sizes):
+        begin = max(comp, ready)
+        if k + 1 < len(sizes):
+            chan = ready = max(chan, begin) + gather[sizes[k + 1]].ms
+        comp = begin + w.fwd * s / max(w.d, 1)
+    # backward (units in reverse): gathered again, computed, then the unit's collectives
+    back = sizes[::-1]
+    chan = ready = max(chan, comp) + gather[back[0]].ms
+    for k, s in enumerate(back):
+        begin = max(comp, ready)
+        if k + 1 < len(back):
+            chan = ready = max(chan, begin) + gather[back[k + 1]].ms
+        comp = begin + (w.bwd + (local if overlap else 0.0)) * s / max(w.d, 1)
+        chan = max(chan, comp) + done[s].ms
+    total = sum((gather[s].times(2) + done[s] for s in sizes), Cost()) + votes + headers
+    compute_end = comp if overlap else comp + local
+    end = max(chan, compute_end + total.host_ms) + votes.ms + headers.ms
+    apply = opt * APPLY_FRACTION if sync == "dlion" else opt
+    step = end + apply
+    compute = w.fwd + w.bwd + opt
+    if sync == "allreduce":
+        name = f"fsdp-allreduce-{'fp32' if wire_bytes == 4 else 'bf16'}"
+        options = {"kind": "fsdp", "sync": sync, "dtype": "fp32" if wire_bytes == 4 else "bf16"}
+    else:
+        name = f"fsdp-dlion-{mode}" + ("-overlap" if overlap else "")
+        options = {"kind": "fsdp", "sync": sync, "mode": mode, "votes": "binary",
+                   "overlap": overlap}
+    return Row(name, step, compute, wait, total.ms, step - compute - wait, total.bytes,
+               total.intra_bytes, total.inter_bytes, len(sizes), "+".join(
+                   dict.fromkeys(a for a in total.algorithm.split("+") if a)), options,
+               *_memory(w, L, L))
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -628,6 +724,10 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
             rows.append(_dlion_row(cl, w, mode, overlap, 1))
             if 1 < L:
                 rows.append(_dlion_row(cl, w, mode, overlap, L))
+                if mode == "vote":  # the one mode the registry runs on FSDP2
+                    rows.append(_fsdp_row(cl, w, "dlion", mode=mode, overlap=overlap))
+    if 1 < L:
+        rows += [_fsdp_row(cl, w, "allreduce", wire_bytes=b) for b in (4, 2)]
     rows += [_decentralized_row(cl, w, t, gossip_bytes) for t in topos]
     if strategies is not None:
         wanted = [strategies] if isinstance(strategies, str) else list(strategies)

@@ -67,6 +67,16 @@ def test_bench_training_smoke(tmp_path):
     assert {r["sweep"] for r in ok.values()} == {"main", "batch", "bucket"}
     assert data["bucket_fits"] and "ms_per_bucket" in data["bucket_fits"][0]
     assert "Whole training steps" in stdout
+    # memory per rank, counted from the tensors: FSDP2 (1 x 2) holds half of the parameters,
+    # gradients and momentum of flat D-Lion; every case has a peak RSS
+    for r in ok.values():
+        assert r["memory_bytes_per_rank"] > 0 and r["peak_rss_mb"] > 0, r["variant"]
+    fsdp, flat = ok[("1x2", "fsdp-dlion", "main", 8, 1.0)], ok[("1x2", "dlion-vote", "main", 8,
+                                                                   1.0)]
+    assert flat["param_bytes_per_rank"] == flat["state_bytes_per_rank"] == 4 * flat["params"]
+    for key in ("param_bytes_per_rank", "grad_bytes_per_rank", "state_bytes_per_rank"):
+        assert fsdp[key] == flat[key] / 2, key  # 256-row layers: no padding
+    assert "Memory per rank" in stdout
 
 
 def test_network_verify_routing():

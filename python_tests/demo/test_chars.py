@@ -141,3 +141,33 @@ def test_stdlib_text_is_fixed():
     assert train.equal(again[0]) and val.equal(again[1])
     assert chars._encode("a\n\t\u00e9").tolist() == [ord("a") - 32, 95, 96, chars.UNKNOWN,
                                                       chars.UNKNOWN]
+
+
+def test_fsdp_on_a_2x2_mesh(capfd):
+    """--strategy fsdp-dlion fsdp-allreduce on 4 workers in nodes of 2: both train, the replicas
+    agree, each worker holds half of the parameters, gradients and momentum (FSDP pads each
+    tensor to whole rows per shard), D-Lion sends 1/32 of HSDP's fp32 bytes between nodes (plus
+    headers and padding), and the output holds no warning."""
+    argv = [a for a in TINY if a not in ("--quiet",)]
+    argv[argv.index("--workers") + 1] = "4"
+    argv = argv[:argv.index("--strategy")] + ["--strategy", "fsdp-dlion", "fsdp-allreduce",
+                                              "dlion-vote-hier", "--ranks-per-node", "2"]
+    rows = {r["strategy"]: r for r in cli.main(argv)}
+    out = capfd.readouterr()
+    assert "arning" not in out.out + out.err
+    numels = [p.numel() for p in chars.make_model(chars.parse_args(argv), 0).parameters()]
+    d = sum(numels)
+    for name, r in rows.items():
+        assert r["val_loss"] < r["initial_val_loss"] - MIN_DROP, name
+        assert not r["ranks_differ"] and r["eval_in_sync"], name
+    hier = rows["dlion-vote-hier"]["memory"]
+    assert hier["params"] == hier["grads"] == 4 * d
+    for name in ("fsdp-dlion", "fsdp-allreduce"):
+        mem = rows[name]["memory"]
+        assert mem["params"] == mem["grads"] == mem["optimizer_state"], name
+        assert 0.95 * 4 * d / 2 <= mem["params"] <= 1.05 * 4 * d / 2, name  # rank 0's shards
+    dlion, hsdp = (rows[k]["inter_node_bytes_per_step"] for k in ("fsdp-dlion", "fsdp-allreduce"))
+    assert 20 * dlion < hsdp <= 32 * dlion
+    # HSDP between 2 replicas: 2 (N-1)/N x 4 bytes x the (padded) shard, about 4d / 2
+    assert 0.95 * 4 * d / 2 <= hsdp <= 1.05 * 4 * d / 2
+    assert "| FSDP2 + D-Lion vote |" in out.out and "memory / rank (kB)" in out.out
