@@ -28,7 +28,8 @@ main thread, host waits, and each collective from issue to completion), with per
 
 Output: ``bench/results/overlap-<stamp>/`` or ``--timeline``: ``overlap-timeline-<stamp>/`` (or
 ``--out``): ``bench_overlap.json`` / ``.csv`` / ``.md`` (rows: one per launch; ``ratios``: one
-per variant and configuration), or ``timeline.json`` / ``timeline.md`` and the PNGs.
+per variant and configuration; ``rank_times``: one per launch, every rank's timed steps
+[cycle, fwd, bwd, opt] in ms), or ``timeline.json`` / ``timeline.md`` and the PNGs.
 
     sudo python bench/bench_overlap.py                    # 1, 10 Gbit/s; 4x1 and 2x2; 3 rounds
     sudo python bench/bench_overlap.py --timeline         # 1 Gbit/s 4x1, and loopback
@@ -314,7 +315,7 @@ def run_bench(args) -> int:
     nets = networks(args)
     print(f"bench_overlap: {len(nets)} networks x {args.rounds} rounds -> {out_dir}\n{before}",
           flush=True)
-    rows, failed = [], []
+    rows, failed, per_rank = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_overlap-") as tmp:
         for net in nets:
             variants = FLAT if net["L"] == 1 else HIER
@@ -340,6 +341,9 @@ def run_bench(args) -> int:
                            "buckets": res["buckets"], "load_1min": load,
                            "launch_s": time.time() - t0}
                     rows.append(row)
+                    per_rank.append({"network": row["network"], "round": k, "variant": variant,
+                                     "times_ms": [[[round(1e3 * t, 3) for t in step]
+                                                   for step in rank] for rank in res["times"]]})
                     print(f"  {net_name(net)} round {k} {variant:<20} {row['step_ms']:7.1f} ms"
                           f" (launch {row['launch_s']:.0f} s, load {load:.1f})", flush=True)
     rat = ratios(rows)
@@ -357,7 +361,7 @@ def run_bench(args) -> int:
              "a round (launches adjacent in time), then median and min..max over rounds",
              f"uptime before: {before}; after: {after}"]
     common.save(out_dir, "bench_overlap", rows, meta, ratios=rat, targets=lines, failed=failed,
-                notes=notes)
+                notes=notes, rank_times=per_rank)
     md = [f"# bench_overlap ({meta['date']}, {meta['cpu_model']}, {meta['cpu_count']} cores, "
           f"{meta['model']}, {meta['params'] / 1e6:.1f}M params, torch {meta['torch']}, "
           f"commit {meta['git_commit']})\n", f"Command: `{meta['command']}`\n",
