@@ -109,10 +109,10 @@ def _entries():
                       legacy=round2.get(topology) if opt == "accum-adamw" else None,
                       topology=topology)
     # DiLoCo (SPEC §11): inner AdamW alone on every rank, an outer step every H inner steps
-    yield add("diloco-dlion", "DiLoCo, D-Lion vote outer step", "diloco", "adamw", None,
+    yield add("diloco-dlion", "DiLoCo, D-Lion vote outer step", "diloco", "adamw", "diloco-dlion",
               outer="dlion", mode="vote")
-    yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw", None,
-              outer="nesterov")
+    yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
+              "diloco-nesterov", outer="nesterov")
 
 
 STRATEGIES: dict[str, Strategy] = {s.slug: s for s in _entries()}

@@ -81,8 +81,9 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     numel = sum(p.numel() for p in demo.make_model(32, 0).parameters())
     ranked = plan.rank_strategies(numel, 2, 1, bucket_mb=demo.BUCKET_MB, **inputs)
     expected, row = ranked[0]
-    assert expected.startswith("dlion-vote")  # 1 bit per parameter on a 50 Mbit/s link
-    assert {"adamw-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
+    # 1 bit per parameter every H = 8 steps (local steps) on a 50 Mbit/s link, then every step
+    assert expected == "diloco-dlion" and ranked[1][0].startswith("dlion-vote")
+    assert {"adamw-allreduce", "dlion-average", "diloco-nesterov"} <= {s for s, _ in ranked}
     trained = demo.main(["--workers", "2", "--epochs", "1", "--hidden", "32", "--quiet",
                          "--strategy", "auto"])
     assert [r["strategy"] for r in trained] == [expected]

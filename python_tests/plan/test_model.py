@@ -173,7 +173,7 @@ def test_rows_have_every_strategy_and_are_sorted():
     assert names == {"allreduce-fp32", "allreduce-bf16", "dlion-vote", "dlion-vote-overlap",
                      "dlion-hier-vote", "dlion-hier-vote-overlap", "decentralized-complete",
                      "decentralized-ring", "decentralized-one-peer-exp",
-                     "decentralized-alternating-exp-ring"}
+                     "decentralized-alternating-exp-ring", "diloco-dlion", "diloco-nesterov"}
     assert [r.step_ms for r in rows] == sorted(r.step_ms for r in rows)
     assert model.best(rows) == rows[0].strategy
     for r in rows:
