@@ -18,16 +18,17 @@ Wall clock (timed: run it under the shared lock):
     flock /work/notes/bench.lock python bench/bench_diloco_chars.py wallclock \\
         --rates 0.1 1 --iters 320 --extra-iters 160
 
-one emulated network per rate (``network.py``: 4 nodes of 1 rank, each node's link shaped to
-the rate in Gbit/s), 4 rank processes (gloo, 1 thread each) that train every strategy one after
-the other on the demo's model and data (seed 0). Every ``--eval-every`` inner steps the clock
-stops, every rank evaluates the validation loss (``Built.evaluation()``: theta_bar for DiLoCo;
-the evaluation steps are sync steps, so every rank holds it), and the clock starts again after a
-barrier; the per-step strategies get ``--extra-iters`` more steps than all-reduce AdamW so that
-they can reach its final loss. Writes ``wallclock.json`` (per strategy and rate: inner step,
-training wall time of the slowest rank, bytes this rank sent, validation loss at every
-evaluation), ``wallclock.md`` (time and bytes to reach all-reduce AdamW's final validation loss)
-and ``wallclock-<rate>.png`` (loss against wall time and against bytes).
+one emulated network per rate (``network.py``: 4 nodes of 1 rank, each node's link shaped to the
+rate in Gbit/s), 4 rank processes (gloo, 1 thread each) that train every strategy one after the
+other on the demo's model and data (seed 0), after ``--warmup`` dropped steps. Every
+``--eval-every`` inner steps the clock stops, every rank evaluates the validation loss
+(``Built.evaluation()``: theta_bar for DiLoCo; the evaluation steps are sync steps, so every
+rank holds it), and the clock starts again after a barrier; the per-step strategies get
+``--extra-iters`` more steps than all-reduce AdamW so that they can reach its final loss. Writes
+``wallclock.json`` (per strategy and rate: inner step, training wall time of the slowest rank,
+bytes this rank sent, validation loss at every evaluation), ``wallclock.md`` (time and bytes to
+reach all-reduce AdamW's final validation loss) and ``wallclock-<rate>.png`` (loss against wall
+time and against bytes).
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ def _worker(cfg_path: str) -> None:
     train, val = chars.load_text()
     evals = chars.val_starts(len(val), a.eval_windows, a.context)
     results = []
-    for case in cfg["cases"]:
+    # a fresh process runs its first steps slower (bench_training.py saw 3-6x): a warm-up run
+    # of the first case, dropped
+    warmup = dict(cfg["cases"][0], iters=cfg["warmup"], warmup=True)
+    for case in [warmup] + cfg["cases"]:
         model = chars.make_model(a, cfg["seed"])
         settings = b.Settings(lion_lr=a.lion_lr, adamw_lr=a.adamw_lr,
                               weight_decay=a.weight_decay, bucket_mb=chars.BUCKET_MB,
@@ -189,6 +193,8 @@ def _worker(cfg_path: str) -> None:
                 start = time.perf_counter()
         walls = torch.tensor([c[1] for c in curve], dtype=torch.float64)
         dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # the slowest rank's training time
+        if case.get("warmup"):
+            continue
         results.append(dict(case, curve=[dict(step=c[0], wall_s=w, bytes=c[2], val_loss=c[3])
                                          for c, w in zip(curve, walls.tolist())]))
     dist.barrier()
@@ -231,6 +237,7 @@ def wallclock(args) -> None:
             cfg = {"master": topo.addrs[0],
                    "port": 20000 + int.from_bytes(os.urandom(2), "little") % 30000,
                    "timeout": 600, "seed": 0, "model": model, "eval_every": args.eval_every,
+                   "warmup": args.warmup,
                    "cases": _cases(args), "result": os.path.join(tmp, "result.json")}
             cfg_path = os.path.join(tmp, "cfg.json")
             with open(cfg_path, "w") as f:
@@ -348,6 +355,8 @@ def main(argv=None) -> None:
     w.add_argument("--dlion-lr", dest="dlion_lr_value", type=float, default=None,
                    help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
     w.add_argument("--eval-every", type=int, default=8, help="a multiple of H")
+    w.add_argument("--warmup", type=int, default=16,
+                   help="inner steps of the first strategy run first and dropped")
     w.add_argument("--timeout", type=float, default=1200)
     for p in (q, w):
         p.add_argument("--workers", type=int, default=4)
