@@ -5,7 +5,7 @@ Quality (untimed; the demo itself, ``python -m dlion_kernels.demo --task chars``
 (H, P), since H and P are one value per demo run):
 
     python bench/bench_diloco_chars.py quality --iters 320 --seeds 0 1 2 \\
-        --dlion-lr 8=1e-2 32=3e-2
+        --dlion-lr 8=1e-2 32=2e-2 --nesterov-lr 8=0.35 32=0.7
 
 runs adamw-allreduce and dlion-vote (per step), diloco-nesterov at each H of ``--sync-every``
 and diloco-dlion at each H x P of ``--fragments``, 4 workers, the same inner steps, global
@@ -61,7 +61,8 @@ def _lrs(pairs) -> dict[int, float]:
         try:
             out[int(h)] = float(lr)
         except ValueError:
-            raise SystemExit(f"--dlion-lr takes H=LR pairs (e.g. 8=1e-2), got {item!r}") from None
+            raise SystemExit(f"--dlion-lr / --nesterov-lr take H=LR pairs (e.g. 8=1e-2), got "
+                             f"{item!r}") from None
     return out
 
 
@@ -72,7 +73,7 @@ def quality(args) -> None:
     from dlion_kernels.demo import chars
 
     out = common.results_dir("diloco-chars", args.out)
-    lrs = _lrs(args.dlion_lr)
+    lrs, nlrs = _lrs(args.dlion_lr), _lrs(args.nesterov_lr)
     base = ["--task", "chars", "--workers", str(args.workers), "--iters", str(args.iters),
             "--seeds", *map(str, args.seeds), "--quiet"]
     runs = [("per-step", ["--strategy", *PER_STEP])]
@@ -80,6 +81,8 @@ def quality(args) -> None:
         for p in args.fragments:
             names = (["diloco-nesterov"] if p == 1 else []) + ["diloco-dlion"]
             extra = ["--diloco-dlion-lr", str(lrs[h])] if h in lrs else []
+            if p == 1 and h in nlrs:
+                extra += ["--diloco-nesterov-lr", str(nlrs[h])]
             runs.append((f"H{h}-P{p}", ["--strategy", *names, "--sync-every", str(h),
                                         "--fragments", str(p), *extra]))
     meta = common.metadata({"load_start": _load()})
@@ -172,7 +175,8 @@ def _worker(cfg_path: str) -> None:
         settings = b.Settings(lion_lr=a.lion_lr, adamw_lr=a.adamw_lr,
                               weight_decay=a.weight_decay, bucket_mb=chars.BUCKET_MB,
                               sync_every=case["sync_every"], fragments=1,
-                              diloco_dlion_lr=case.get("dlion_lr"))
+                              diloco_dlion_lr=case.get("dlion_lr"),
+                              diloco_nesterov_lr=case.get("nesterov_lr"))
         built = b.build(case["strategy"], model, settings)
         curve = [(0, 0.0, 0, chars.val_loss(model, val, evals, a.context, "cpu"))]
         wall = 0.0
@@ -210,6 +214,8 @@ def _cases(args) -> list[dict]:
         case = {"strategy": slug, "iters": args.iters + args.extra_iters, "sync_every": args.h}
         if slug == "diloco-dlion" and args.dlion_lr_value is not None:
             case["dlion_lr"] = args.dlion_lr_value
+        if slug == "diloco-nesterov" and args.nesterov_lr_value is not None:
+            case["nesterov_lr"] = args.nesterov_lr_value
         cases.append(case)
     return cases
 
@@ -346,6 +352,8 @@ def main(argv=None) -> None:
     q.add_argument("--fragments", type=int, nargs="+", default=[1, 4])
     q.add_argument("--dlion-lr", nargs="*", metavar="H=LR",
                    help="diloco-dlion's outer lr per H (default: DiLoCo's, 1e-2)")
+    q.add_argument("--nesterov-lr", nargs="*", metavar="H=LR",
+                   help="diloco-nesterov's outer lr per H (default: DiLoCo's, 0.7)")
     w = sub.add_parser("wallclock", help="loss against wall time and bytes (emulated network)")
     w.add_argument("--rates", type=float, nargs="+", default=[0.1, 1.0], help="Gbit/s")
     w.add_argument("--iters", type=int, default=320, help="all-reduce AdamW's inner steps")
@@ -354,6 +362,8 @@ def main(argv=None) -> None:
     w.add_argument("--h", type=int, default=8, help="DiLoCo's H (P = 1)")
     w.add_argument("--dlion-lr", dest="dlion_lr_value", type=float, default=None,
                    help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
+    w.add_argument("--nesterov-lr", dest="nesterov_lr_value", type=float, default=None,
+                   help="diloco-nesterov's outer lr (default: DiLoCo's, 0.7)")
     w.add_argument("--eval-every", type=int, default=8, help="a multiple of H")
     w.add_argument("--warmup", type=int, default=16,
                    help="inner steps of the first strategy run first and dropped")
