@@ -25,10 +25,10 @@ other on the demo's model and data (seed 0), after ``--warmup`` dropped steps. E
 (``Built.evaluation()``: theta_bar for DiLoCo; the evaluation steps are sync steps, so every
 rank holds it), and the clock starts again after a barrier; the per-step strategies get
 ``--extra-iters`` more steps than all-reduce AdamW so that they can reach its final loss. Writes
-``wallclock.json`` (per strategy and rate: inner step, training wall time of the slowest rank,
-bytes this rank sent, validation loss at every evaluation), ``wallclock.md`` (time and bytes to
-reach all-reduce AdamW's final validation loss) and ``wallclock-<rate>.png`` (loss against wall
-time and against bytes).
+``wallclock.json`` (per strategy and rate, at every evaluation: inner step, training wall time of
+the slowest rank and of every rank, bytes rank 0 sent, validation loss), ``wallclock.md`` (time
+and bytes to reach all-reduce AdamW's final validation loss) and ``wallclock-<rate>.png`` (loss
+against wall time and against bytes).
 """
 
 from __future__ import annotations
@@ -195,12 +195,15 @@ def _worker(cfg_path: str) -> None:
                 curve.append((it + 1, wall, built.bytes_total, loss))
                 dist.barrier()
                 start = time.perf_counter()
-        walls = torch.tensor([c[1] for c in curve], dtype=torch.float64)
-        dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # the slowest rank's training time
+        mine = torch.tensor([c[1] for c in curve], dtype=torch.float64)
+        walls = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(walls, mine)  # every rank's training time at every evaluation
         if case.get("warmup"):
             continue
-        results.append(dict(case, curve=[dict(step=c[0], wall_s=w, bytes=c[2], val_loss=c[3])
-                                         for c, w in zip(curve, walls.tolist())]))
+        ranks = torch.stack(walls).T.tolist()
+        results.append(dict(case, curve=[
+            dict(step=c[0], wall_s=max(w), wall_s_ranks=w, bytes=c[2], val_loss=c[3])
+            for c, w in zip(curve, ranks)]))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
