@@ -93,6 +93,10 @@ def quality(args) -> None:
         print(commands[-1], flush=True)
         rows += chars.main(argv)
     meta["load_end"] = _load()
+    _quality_save(out, rows, args, meta, commands)
+
+
+def _quality_save(out, rows, args, meta, commands) -> None:
     table = _quality_table(rows)
     text = _quality_md(table, rows, args)
     common.save_text(out, "quality.md", text + "\nCommands (each demo's JSON: demo-*.json):\n\n"
@@ -100,6 +104,25 @@ def quality(args) -> None:
     common.save(out, "quality", table, meta, runs=rows, commands=commands)
     print(text)
     print(f"results in {out}")
+
+
+def summarize(args) -> None:
+    """quality.md / quality.json again from a folder's demo-*.json (a run that was cut short:
+    the (H, P) groups it finished)."""
+    import glob
+
+    rows, commands = [], []
+    for path in sorted(glob.glob(os.path.join(args.dir, "demo-*.json")),
+                       key=lambda p: (p.count("H32"), p.count("P4"))):
+        with open(path) as f:
+            doc = json.load(f)
+        rows += doc["runs"]
+        commands.append(f"(from {os.path.basename(path)}) config: {json.dumps(doc['config'])}")
+    args.seeds = sorted({r["seed"] for r in rows})
+    args.sync_every = sorted({r["sync_every"] for r in rows if r["sync_every"]})
+    args.fragments = sorted({r["fragments"] for r in rows if r["fragments"]})
+    meta = common.metadata({"summarized_from": args.dir, "load_now": _load()})
+    _quality_save(args.dir, rows, args, meta, commands)
 
 
 def _quality_table(rows) -> list[dict]:
@@ -357,6 +380,8 @@ def main(argv=None) -> None:
                    help="diloco-dlion's outer lr per H (default: DiLoCo's, 1e-2)")
     q.add_argument("--nesterov-lr", nargs="*", metavar="H=LR",
                    help="diloco-nesterov's outer lr per H (default: DiLoCo's, 0.7)")
+    r = sub.add_parser("summarize", help="quality.md again from a folder's demo-*.json")
+    r.add_argument("dir")
     w = sub.add_parser("wallclock", help="loss against wall time and bytes (emulated network)")
     w.add_argument("--rates", type=float, nargs="+", default=[0.1, 1.0], help="Gbit/s")
     w.add_argument("--iters", type=int, default=320, help="all-reduce AdamW's inner steps")
@@ -377,6 +402,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.mode == "quality":
         quality(args)
+    elif args.mode == "summarize":
+        summarize(args)
     else:
         if args.eval_every % args.h:
             ap.error("--eval-every must be a multiple of --h (DiLoCo evaluates at its syncs)")
