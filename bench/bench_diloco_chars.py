@@ -5,7 +5,7 @@ Quality (untimed; the demo itself, ``python -m dlion_kernels.demo --task chars``
 (H, P), since H and P are one value per demo run):
 
     python bench/bench_diloco_chars.py quality --iters 320 --seeds 0 1 2 \\
-        --dlion-lr 8=1e-2 32=2e-2 --nesterov-lr 8=0.35 32=0.7
+        --dlion-lr 8=1e-2 32=1.4e-2 --nesterov-lr 8=0.5 32=0.7
 
 runs adamw-allreduce and dlion-vote (per step), diloco-nesterov at each H of ``--sync-every``
 and diloco-dlion at each H x P of ``--fragments``, 4 workers, the same inner steps, global
