@@ -11,8 +11,8 @@ optimizers, wrappers and hooks, for the demo and ``bench/bench_training.py`` ali
 
 Every rank builds the same strategies in the same order (building is collective: DDP broadcasts
 the parameters, topologies and hierarchies create process groups). One builder per family
-(``BUILDERS``); a new family (FSDP2 over a 2-D mesh, local steps around an inner optimizer) adds
-its builder here and its entries to ``strategies.py``.
+(``BUILDERS``: allreduce, local, dlion, fsdp, decentralized, diloco); a new family adds its
+builder here and its entries to ``strategies.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .decentralized.wrapper import DecentralizedDataParallel
 from .exchange.sharded import local, memory_per_rank
+from .local.diloco import DiLoCo
 from .optim.accum import AccumAdamW, AccumLion
 from .optim.ddp_hook import register_ddp_comm_hook
 from .optim.dlion import DistributedLion
@@ -46,10 +47,19 @@ class Settings:
     accum_steps: int | None = None  # K of AccumAdamW / AccumLion; None: the number of ranks
     bucket_mb: float = 25.0  # DDP's buckets, D-Lion's overlap buckets, the gossip buckets
     ranks_per_node: int = 1  # L: the nodes of hierarchies and alternating-exp-ring
+    sync_every: int = 8  # DiLoCo's H: inner steps between two syncs of a fragment
+    fragments: int = 1  # DiLoCo's P (Streaming DiLoCo's fragments; H a multiple of P)
+    diloco_dlion_lr: float | None = None  # diloco-dlion's outer lr (None: DiLoCo's default)
+    diloco_nesterov_lr: float | None = None  # diloco-nesterov's outer lr (None: DiLoCo's)
 
     def __post_init__(self):
         # the rest is checked by the optimizers and wrappers that take it
         _check_count("ranks_per_node", self.ranks_per_node)
+        _check_count("sync_every", self.sync_every)
+        _check_count("fragments", self.fragments)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"Settings.sync_every ({self.sync_every}) must be a multiple of "
+                             f"Settings.fragments ({self.fragments})")
         if self.accum_steps is not None:
             _check_count("accum_steps", self.accum_steps)
 
@@ -67,10 +77,11 @@ class Built:
     backward), ``stats`` the last ``StepStats`` of a D-Lion step (else None)."""
 
     def __init__(self, strategy: Strategy, model, module, optimizer, sent, source: str, *,
-                 finish=None, evaluation=None):
+                 after_step=None, finish=None, evaluation=None):
         self.strategy, self.model, self.module, self.optimizer = strategy, model, module, optimizer
         self._sent = sent  # () -> (bytes this step, bytes to other nodes or None)
         self.bytes_source = source  # where the byte counts come from
+        self._after_step = after_step  # () -> None: after the optimizer (DiLoCo's outer step)
         self._finish = finish  # () -> None: end outstanding communication
         self._evaluation = evaluation  # () -> the context to evaluate in
         self.bytes_total = self.steps = 0
@@ -87,6 +98,8 @@ class Built:
         the bytes this rank sent in this step."""
         if self.optimizer is not None:
             self.optimizer.step()
+        if self._after_step is not None:
+            self._after_step()
         sent, self.inter_node_bytes = self._sent()
         self.bytes_total += sent
         self.steps += 1
@@ -434,5 +447,38 @@ def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
                  finish=ddp.synchronize, evaluation=ddp.global_average)
 
 
+def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
+    """Local AdamW steps (no communication), and every H / P inner steps DiLoCo's sync of one
+    fragment with the strategy's outer step. Bytes: DiLoCo's count of each sync (SyncStats),
+    0 between syncs. Evaluated on theta_bar: between syncs, and with P > 1 fragments at any
+    step, the ranks' local parameters differ."""
+    o = strategy.options
+    inner = torch.optim.AdamW(model.parameters(), lr=s.adamw_lr, weight_decay=s.weight_decay)
+    lr = s.diloco_dlion_lr if o["outer"] == "dlion" else s.diloco_nesterov_lr
+    kw = dict(mode=o["mode"], backend=s.backend) if o["outer"] == "dlion" else {}
+    diloco = DiLoCo(model, inner, s.sync_every, o["outer"], outer_lr=lr,
+                    fragments=s.fragments, **kw)
+    last = [0]
+
+    def sent():
+        delta, last[0] = diloco.bytes_sent - last[0], diloco.bytes_sent
+        return delta, None
+
+    @contextlib.contextmanager
+    def synced():
+        params = [p for ps in diloco.fragment_params for p in ps]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, diloco.theta_bar)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved)
+
+    return Built(strategy, model, model, inner, sent, "SyncStats", after_step=diloco.step,
+                 evaluation=synced)
+
+
 BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion, "fsdp": _fsdp,
-            "decentralized": _decentralized}
+            "decentralized": _decentralized, "diloco": _diloco}

@@ -18,6 +18,9 @@ lowercase and dash-separated, family first, then what sets it apart:
   the node, all-reduce of the shard between the replicas, fp32 or bf16), then Lion on each shard
 - ``decentralized-<topology>-<optimizer>``: ``DecentralizedDataParallel`` on a topology of
   ``topologies.py`` with ``accum-adamw``, ``accum-lion`` or ``adamw`` per bucket
+- ``diloco-dlion``, ``diloco-nesterov``: ``DiLoCo`` (local AdamW steps, an outer step every H =
+  ``Settings.sync_every`` inner steps in ``Settings.fragments`` fragments) with D-Lion's vote or
+  DiLoCo's fp32 Nesterov as the outer step
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
 builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
@@ -49,7 +52,7 @@ class Strategy:
 
     slug: str
     label: str  # its name in tables
-    family: str  # which builder runs it: allreduce, local, dlion, fsdp, decentralized
+    family: str  # which builder runs it: allreduce, local, dlion, fsdp, decentralized, diloco
     optimizer: str  # the update on each rank: adamw, lion, dlion, accum-adamw, accum-lion
     row: str | None  # the runtime model's row that predicts its step, or None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
@@ -118,6 +121,11 @@ def _entries():
                       "decentralized", opt, f"decentralized-{topology}", bucketed=True,
                       legacy=round2.get(topology) if opt == "accum-adamw" else None,
                       topology=topology)
+    # DiLoCo (SPEC §11): inner AdamW alone on every rank, an outer step every H inner steps
+    yield add("diloco-dlion", "DiLoCo, D-Lion vote outer step", "diloco", "adamw", "diloco-dlion",
+              outer="dlion", mode="vote")
+    yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
+              "diloco-nesterov", outer="nesterov")
 
 
 STRATEGIES: dict[str, Strategy] = {s.slug: s for s in _entries()}

@@ -33,7 +33,7 @@ def test_one_slug_scheme():
     for slug, s in strategies.STRATEGIES.items():
         assert s.slug == slug
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
-        assert slug.startswith(s.family if s.family in ("dlion", "fsdp", "decentralized")
+        assert slug.startswith(s.family if s.family in ("dlion", "fsdp", "decentralized", "diloco")
                                else s.optimizer if s.family == "allreduce" else "dlion-local")
     # every combination of the decentralized family is named
     for topology in TOPOLOGIES:

@@ -38,6 +38,12 @@ each from the same initial weights per seed; by default:
   one-peer-exp and alternating-exp-ring (nodes of ``--ranks-per-node``) topologies; evaluated on
   the parameters averaged over the ranks (``global_average()``)
 
+Not by default: diloco-dlion and diloco-nesterov (``DiLoCo``: local AdamW steps, lr
+``--adamw-lr``, and every ``--sync-every`` H inner steps an outer step, D-Lion's vote or DiLoCo's
+fp32 Nesterov, in ``--fragments`` P fragments), evaluated on theta_bar (the synced parameters);
+e.g. ``--strategy diloco-dlion diloco-nesterov --sync-every 8 --fragments 1``: 15 syncs in the
+default 120 iterations.
+
 DDP's buckets, D-Lion's overlap buckets and the gossip buckets are all 0.125 MB.
 
 The table gives per strategy the validation loss (mean and sample standard deviation over the
@@ -261,8 +267,12 @@ def train_one(name, args, seed, rank, n, device, data):
     wall_t = torch.tensor([wall], dtype=torch.float64)
     if n > 1:  # the slowest rank's time
         dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+    diloco = strategies.get(name).family == "diloco"
+    label = strategies.get(name).label
+    if diloco:
+        label += f" (H = {args.sync_every}, P = {args.fragments})"
     return {
-        "strategy": name, "label": strategies.get(name).label, "seed": seed,
+        "strategy": name, "label": label, "seed": seed,
         "val_loss": loss_val, "initial_val_loss": initial,
         "own_val_loss_mean": own.item() / n, "train_loss_end": (recent[0] / recent[1]).item(),
         "bytes_per_step": built.bytes_per_step, "steps": built.steps,
@@ -270,6 +280,8 @@ def train_one(name, args, seed, rank, n, device, data):
         "ranks_differ": differ, "eval_in_sync": eval_in_sync, "memory": memory,
         "numel": sum(p.numel() for p in model.parameters()), "workers": n,
         "ranks_per_node": ranks_per_node(args, n),
+        "sync_every": args.sync_every if diloco else None,
+        "fragments": args.fragments if diloco else None,
     }
 
 
@@ -358,8 +370,10 @@ def report(rows, args, total_s) -> list[dict]:
     print()
     print(format_table(table, rows))
     print(f"total time {total_s:.0f} s")
-    bad = [t["strategy"] for t in table if not t["eval_in_sync"]
-           or (t["ranks_differ"] and strategies.get(t["strategy"]).family != "decentralized")]
+    # gossip and DiLoCo's fragments leave the ranks apart; they are evaluated in sync
+    bad = [t["strategy"] for t in table if not t["eval_in_sync"] or (
+        t["ranks_differ"] and strategies.get(t["strategy"]).family not in ("decentralized",
+                                                                           "diloco"))]
     if bad:
         print(f"WARNING: ranks ended with different parameters: {bad}", file=sys.stderr)
     if args.json:

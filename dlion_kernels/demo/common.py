@@ -54,6 +54,15 @@ def add_common_args(ap: argparse.ArgumentParser, task: str, default_strategies, 
     ap.add_argument("--accum-steps", type=int, default=None,
                     help="K of AccumAdamW / AccumLion (default: the number of workers, as the "
                     "paper scales it)")
+    ap.add_argument("--sync-every", type=int, default=8, metavar="H",
+                    help="diloco-*: inner steps between two syncs of a fragment (default 8)")
+    ap.add_argument("--fragments", type=int, default=1, metavar="P",
+                    help="diloco-*: Streaming DiLoCo's fragments, one syncs every H / P inner "
+                    "steps (default 1; H must be a multiple of P)")
+    ap.add_argument("--diloco-dlion-lr", type=float, default=None,
+                    help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
+    ap.add_argument("--diloco-nesterov-lr", type=float, default=None,
+                    help="diloco-nesterov's outer lr (default: DiLoCo's, 0.7)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -63,6 +72,9 @@ def check_common_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--workers must be >= 1")
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         ap.error("--ranks-per-node must be >= 1")
+    if args.sync_every < 1 or args.fragments < 1 or args.sync_every % args.fragments:
+        ap.error(f"--sync-every ({args.sync_every}) and --fragments ({args.fragments}) must be "
+                 ">= 1, and --sync-every a multiple of --fragments")
     if AUTO in args.strategy:
         if args.strategy != [AUTO]:
             ap.error(f"--strategy {AUTO} picks one strategy: give it alone")
@@ -89,7 +101,9 @@ def settings(args, n: int, bucket_mb: float) -> Settings:
     return Settings(lion_lr=args.lion_lr, adamw_lr=args.adamw_lr,
                     weight_decay=args.weight_decay, backend=args.backend,
                     accum_steps=args.accum_steps, bucket_mb=bucket_mb,
-                    ranks_per_node=ranks_per_node(args, n))
+                    ranks_per_node=ranks_per_node(args, n), sync_every=args.sync_every,
+                    fragments=args.fragments, diloco_dlion_lr=args.diloco_dlion_lr,
+                    diloco_nesterov_lr=args.diloco_nesterov_lr)
 
 
 def strategy_names(args, n: int) -> tuple[list[str], list[tuple[str, str]]]:

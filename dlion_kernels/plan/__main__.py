@@ -38,7 +38,9 @@ of one rank; wait ms: expected wait for the slowest rank it synchronises with (a
 gossip group); comm ms: all its collectives back to back; exposed ms: the part of comm ms the
 step waits for (the rest hides behind backward, or a whole iteration for gossip); MB/rank: bytes
 each rank sends per step (10^6), split into intra-node and inter-node links; mem MB: what a rank
-holds for parameters, gradients and optimizer state (- where the strategy's optimizer decides)."""
+holds for parameters, gradients and optimizer state (- where the strategy's optimizer decides).
+diloco-*: per inner step, one sync's communication and outer step divided by the H / P inner
+steps between syncs."""
 
 
 def table(rows) -> str:
@@ -111,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="D-Lion modes to list, comma separated (vote)")
     p.add_argument("--topologies", type=_list(TOPOLOGIES, "--topologies"),
                    help="decentralized topologies (default: every one that fits)")
+    p.add_argument("--sync-every", type=int, default=8,
+                   help="diloco-* rows: H, inner steps between two syncs of a fragment (8)")
+    p.add_argument("--fragments", type=int, default=1, help="diloco-* rows: P fragments (1)")
+    p.add_argument("--overlap-steps", type=int, default=0,
+                   help="diloco-* rows: tau, inner steps a sync runs behind (0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--measure", action="store_true",
                    help="calibrate on the running torchrun group, then predict")
@@ -158,7 +165,8 @@ def main(argv=None) -> int:
                    tensors=args.tensors,
                    grad_dtype=args.grad_dtype, param_dtype=args.param_dtype,
                    gossip_dtype=args.gossip_dtype, modes=args.modes, topologies=args.topologies,
-                   calibration=measured.get("calibration"))
+                   calibration=measured.get("calibration"), sync_every=args.sync_every,
+                   fragments=args.fragments, overlap_steps=args.overlap_steps)
     try:
         rows = predict(args.params, **inputs, **options)
     except (ValueError, TypeError) as e:

@@ -59,9 +59,23 @@ intervals during backward; one communication channel, buckets exchanged in order
   a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
   topology's schedule is averaged over its period.
 
+- ``diloco-dlion`` / ``diloco-nesterov`` (SPEC §11, local steps): every inner step is compute
+  alone; every H / P inner steps one fragment of d / P elements syncs (H = ``sync_every``, P =
+  ``fragments``): D-Lion's exchange of it among all n ranks, or an fp32 all-reduce, plus one
+  optimizer-like pass over it (the outer step). Per inner step: compute + the sync's exposed
+  time and outer pass divided by H / P. With ``overlap_steps`` tau > 0 the exchange runs during
+  the next tau inner steps: exposed = max(0, comm - tau x compute) plus the host's work (it needs
+  the cores), and for D-Lion its all_gather in full (issued at the apply step). The ranks wait at
+  a sync for the slowest one's H / P steps of jitter: uniform on [0, J] per step gives J / 2 +
+  J / sqrt(12) e_n / sqrt(H / P) per inner step, normal (mean 0, sigma J) J e_n / sqrt(H / P),
+  e_n the expected maximum of n standard normals (the sums' normal approximation). Times, bytes
+  and ``comm_ms`` are per inner step (a sync's divided by H / P); ``options`` gives one sync's
+  (``sync_ms``, ``sync_bytes``).
+
 Every row but the decentralized ones also gives the memory a rank holds for parameters,
 gradients and optimizer state (fp32 momentum, Lion's or D-Lion's; a DDP row's optimizer is
-Lion): d of each (momentum d / L under ``hierarchy``), 1/L of each under FSDP2. The
+Lion): d of each (momentum d / L under ``hierarchy``), 1/L of each under FSDP2; DiLoCo's
+state is the inner AdamW's two moments, theta_bar and the outer momentum. The
 decentralized rows leave it None (it depends on the optimizer run in each bucket).
 
 Rows are named after the exchange they model; ``dlion_kernels/strategies.py`` names the strategy
@@ -575,6 +589,41 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
                *_memory(w, L, L))
 
 
+# ----------------------------------------------------------------------------- local steps
+
+
+def _diloco_row(cl, w, outer, H, P, tau):
+    """DiLoCo with a D-Lion or Nesterov outer step (see the module docstring)."""
+    g = Group(cl.n, cl.nodes, cl.L)
+    numel, tensors, k = w.d / P, max(1, math.ceil(w.tensors / P)), H // P
+    hidden = tau * (w.fwd + w.bwd + w.opt)  # the inner steps the exchange runs behind
+    if outer == "dlion":
+        blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)
+        shard = shard_blocks(blocks, cl.n) if cl.n > 1 else 0
+        up = all_to_all(cl, g, (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES)
+        down = all_gather(cl, g, shard * aggregate_planes("vote", "binary", cl.n) * WORD_BYTES)
+        comm = up + down
+        exposed = max(0.0, up.ms - hidden) + up.host_ms + down.ms if tau else comm.ms
+    else:
+        comm = all_reduce(cl, g, 4 * numel)
+        exposed = max(0.0, comm.ms - hidden) + comm.host_ms if tau else comm.ms
+    exposed = min(exposed, comm.ms)
+    outer_ms = w.opt / P  # one fused pass over the fragment, as an optimizer step
+    # the slowest rank's k steps of jitter, per inner step (normal approximation of the sums)
+    spread = expected_max(cl.n, 1.0, "normal") / math.sqrt(k)
+    wait = w.jitter * ((0.5 + spread / math.sqrt(12)) if w.dist == "uniform" else spread)
+    compute = w.fwd + w.bwd + w.opt
+    step = compute + wait + (exposed + outer_ms) / k
+    per = comm.times(1.0 / k)
+    return Row(f"diloco-{outer}", step, compute + outer_ms / k, wait, per.ms, exposed / k,
+               per.bytes, per.intra_bytes, per.inter_bytes, 1, comm.algorithm,
+               {"kind": "diloco", "outer": outer, "sync_every": H, "fragments": P,
+                "overlap_steps": tau, "sync_ms": comm.ms, "sync_bytes": comm.bytes},
+               # state: the inner AdamW's two fp32 moments, theta_bar, the outer momentum (fp32)
+               w.d * w.param_bytes, w.d * w.grad_bytes,
+               8.0 * w.d + w.d * w.param_bytes + 4.0 * w.d)
+
+
 # ----------------------------------------------------------------------------- topologies
 
 
@@ -645,7 +694,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
             jitter_dist="uniform", bucket_mb=25.0, tensors=1, grad_dtype="fp32",
             param_dtype="fp32", gossip_dtype="fp32", algorithm="auto", modes=("vote",),
             topologies=None, strategies=None, calibration=None, cpu_gbs=None,
-            hier_gather="aggregate") -> list[Row]:
+            hier_gather="aggregate", sync_every=8, fragments=1, overlap_steps=0) -> list[Row]:
     """Predicted step of every strategy, fastest first (see the module docstring).
 
     ``params``: parameter count (int or '124M'); ``ranks``: n; ``ranks_per_node``: L;
@@ -660,7 +709,9 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     processing rate per rank for the bytes a collective sends or sums (None: free, as with
     NCCL/RDMA; gloo on CPU cores shared by several ranks needs it); ``hier_gather``: what
     hierarchical D-Lion gathers inside the node, 'aggregate' (the packed aggregate, as the
-    library does) or 'params' (the updated parameter shards).
+    library does) or 'params' (the updated parameter shards); ``sync_every``, ``fragments``,
+    ``overlap_steps``: DiLoCo's H, P and tau for the ``diloco-*`` rows (H a multiple of P,
+    tau < H / P).
     """
     d = parse_size(params, "params")
     n = _number(ranks, "ranks", positive=True, integer=True)
@@ -713,6 +764,13 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
                         f"{type(calibration).__name__}")
     cl = Cluster(n, L, Link(intra_latency_us, intra_gbps), Link(latency_us, inter_gbps),
                  algorithm, calibration or Calibration(), cpu_gbs)
+    H = _number(sync_every, "sync_every", positive=True, integer=True)
+    P = _number(fragments, "fragments", positive=True, integer=True)
+    tau = _number(overlap_steps, "overlap_steps", integer=True)
+    if H % P:
+        raise ValueError(f"sync_every ({H}) must be a multiple of fragments ({P})")
+    if tau >= H // P:
+        raise ValueError(f"overlap_steps must be < sync_every / fragments = {H // P}, got {tau}")
     if hier_gather not in ("aggregate", "params"):
         raise ValueError(f"hier_gather must be 'aggregate' or 'params', got {hier_gather!r}")
     w = _Work(d, tensors, fwd_ms, bwd_ms, opt_ms, jitter_ms, jitter_dist,
@@ -729,6 +787,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     if 1 < L:
         rows += [_fsdp_row(cl, w, "allreduce", wire_bytes=b) for b in (4, 2)]
     rows += [_decentralized_row(cl, w, t, gossip_bytes) for t in topos]
+    rows += [_diloco_row(cl, w, outer, H, P, tau) for outer in ("dlion", "nesterov")]
     if strategies is not None:
         wanted = [strategies] if isinstance(strategies, str) else list(strategies)
         names = {r.strategy for r in rows}
@@ -755,13 +814,15 @@ def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
                     **inputs) -> list[tuple[str, Row]]:
     """(slug, predicted row) of the named strategies (``dlion_kernels.strategies``) that can run
     on this cluster, fastest first. ``allowed``: slugs (None: every strategy the model
-    predicts); strategies that one row predicts (``adamw-allreduce`` and ``lion-allreduce``)
+    predicts but local steps, ``diloco-*``, which change the training itself: fewer syncs, a
+    different loss per step; name them to compare them); strategies that one row predicts (``adamw-allreduce`` and ``lion-allreduce``)
     appear once, as the first of them in ``allowed`` (or registry) order. ``inputs``: the rest of
     predict()'s keyword arguments (modes, topologies and strategies follow from ``allowed``)."""
     n = _number(ranks, "ranks", positive=True, integer=True)
     L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
     if allowed is None:
-        names = [s.slug for s in STRATEGIES.values() if s.row is not None]
+        names = [s.slug for s in STRATEGIES.values()
+                 if s.row is not None and s.family != "diloco"]
     else:
         names = [allowed] if isinstance(allowed, str) else list(allowed)
     by_row: dict[str, str] = {}

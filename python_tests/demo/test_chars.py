@@ -171,3 +171,27 @@ def test_fsdp_on_a_2x2_mesh(capfd):
     # HSDP between 2 replicas: 2 (N-1)/N x 4 bytes x the (padded) shard, about 4d / 2
     assert 0.95 * 4 * d / 2 <= hsdp <= 1.05 * 4 * d / 2
     assert "| FSDP2 + D-Lion vote |" in out.out and "memory / rank (kB)" in out.out
+
+
+def test_diloco_strategies(capfd):
+    """--strategy diloco-*: H and P from --sync-every / --fragments, bytes only at syncs (their
+    mean over the 40 iterations), evaluated on theta_bar (identical on every rank), no warning."""
+    argv = [a for a in TINY if a not in STRATEGIES] + [
+        "diloco-dlion", "diloco-nesterov", "--sync-every", "8", "--fragments", "2"]
+    rows = {r["strategy"]: r for r in cli.main(argv)}
+    out, err = capfd.readouterr()
+    assert "Warning" not in out + err
+    args = chars.parse_args(argv)
+    d = sum(p.numel() for p in chars.make_model(args, 0).parameters())
+    for name, r in rows.items():
+        assert (r["sync_every"], r["fragments"], r["steps"]) == (8, 2, 40), name
+        assert r["label"].endswith("(H = 8, P = 2)") and r["label"] in out, name
+        assert r["val_loss"] < r["initial_val_loss"] - MIN_DROP, name
+        assert r["eval_in_sync"] and r["ranks_differ"], name  # fragment 0 took 4 local steps
+    # each fragment syncs 5 times in 40 steps: 5 fp32 ring all-reduces of d per 40 steps
+    assert rows["diloco-nesterov"]["bytes_per_step"] == pytest.approx(
+        5 * 2 * (N - 1) / N * 4 * d / 40, abs=1)
+    ratio = rows["diloco-nesterov"]["bytes_per_step"] / rows["diloco-dlion"]["bytes_per_step"]
+    assert 25 < ratio <= 32  # 1 bit against 32, less the padding
+    with pytest.raises(SystemExit):
+        chars.parse_args(argv[:-1] + ["3"])  # H not a multiple of P

@@ -174,7 +174,8 @@ def test_rows_have_every_strategy_and_are_sorted():
                      "dlion-hier-vote", "dlion-hier-vote-overlap", "decentralized-complete",
                      "decentralized-ring", "decentralized-one-peer-exp",
                      "decentralized-alternating-exp-ring", "fsdp-allreduce-fp32",
-                     "fsdp-allreduce-bf16", "fsdp-dlion-vote", "fsdp-dlion-vote-overlap"}
+                     "fsdp-allreduce-bf16", "fsdp-dlion-vote", "fsdp-dlion-vote-overlap",
+                     "diloco-dlion", "diloco-nesterov"}
     assert [r.step_ms for r in rows] == sorted(r.step_ms for r in rows)
     assert model.best(rows) == rows[0].strategy
     for r in rows:

@@ -1,0 +1,130 @@
+"""The diloco-* strategies (build.py's DiLoCo builder) on 3 gloo ranks: each slug builds and
+trains; between syncs its step calls no collective and counts no bytes; at a sync it counts
+DiLoCo's bytes (D-Lion: 1 bit per parameter each way, Nesterov: a ring all-reduce of fp32);
+evaluation runs on theta_bar, the same on every rank, and puts the local parameters back."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from workers import run_workers
+
+from dlion_kernels import build as b
+from dlion_kernels import strategies
+from dlion_kernels.local import fragments as frag
+
+N, H, STEPS = 3, 4, 8
+SLUGS = ["diloco-dlion", "diloco-nesterov"]
+_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+                "all_gather", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single",
+                "send", "recv", "barrier")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.GELU(), torch.nn.Linear(50, 3))
+
+
+class _Calls:
+    """The names of the torch.distributed collectives called inside."""
+
+    def __enter__(self):
+        self.calls = []
+        self.saved = {k: getattr(dist, k) for k in _COLLECTIVES if hasattr(dist, k)}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def _wrap(self, name, fn):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _train(rank, n, fragments):
+    out = {}
+    for slug in SLUGS:
+        settings = b.Settings(adamw_lr=1e-2, sync_every=H, fragments=fragments)
+        built = b.build(slug, _model(), settings)
+        steps = []
+        for t in range(STEPS):
+            torch.manual_seed(100 * rank + t)  # every rank its own data
+            built.zero_grad()
+            built(torch.randn(8, 40)).square().mean().backward()
+            with _Calls() as rec:
+                sent = built.step()
+            steps.append((rec.calls, sent))
+        local = _flat(built.model)
+        with built.evaluation():
+            evaluated = _flat(built.model)
+        out[slug] = dict(steps=steps, local=local, evaluated=evaluated,
+                         after=_flat(built.model), mean=built.bytes_per_step,
+                         source=built.bytes_source)
+    return out
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_strategies_train_and_send_only_at_syncs(fragments):
+    results = run_workers(N, _train, fragments)
+    start = _flat(_model())
+    cuts = frag.split([p.numel() for p in _model().parameters()], fragments)
+    sizes = [sum(p.numel() for i, p in enumerate(_model().parameters()) if i in cut)
+             for cut in cuts]
+    for slug in SLUGS:
+        ranks = [r[slug] for r in results]
+        for t in range(1, STEPS + 1):
+            due = frag.due(t, H, fragments)
+            for r in ranks:
+                calls, sent = r["steps"][t - 1]
+                if due is None:
+                    assert calls == [] and sent == 0, (slug, t)
+                    continue
+                numel = sizes[due]
+                if slug == "diloco-nesterov":
+                    assert calls == ["all_reduce"], (slug, t)
+                    assert sent == round(2 * (N - 1) / N * 4 * numel), (slug, t)
+                else:  # 1 bit up and 1 bit down per element, padded to words and shards
+                    assert calls[0] == "all_to_all_single" and len(calls) == 2, (slug, t)
+                    assert 2 * (N - 1) / N * numel / 8 <= sent < (N - 1) / N * numel, (slug, t)
+            assert len({r["steps"][t - 1][1] for r in ranks}) == 1, (slug, t)
+        syncs = STEPS * fragments // H
+        assert all(r["mean"] == round(sum(s for _, s in r["steps"]) / STEPS) for r in ranks)
+        assert all(r["source"] == "SyncStats" for r in ranks)
+        assert sum(frag.due(t, H, fragments) is not None for t in range(1, STEPS + 1)) == syncs
+        # it trained; evaluation sees theta_bar, the same on every rank; local parameters back
+        assert not torch.equal(ranks[0]["evaluated"], start), slug
+        assert all(torch.equal(r["evaluated"], ranks[0]["evaluated"]) for r in ranks), slug
+        assert all(torch.equal(r["after"], r["local"]) for r in ranks), slug
+        # the last step synced fragment P-1: with P = 1 every rank is at theta_bar; with P = 2
+        # fragment 0 took H / 2 local steps since its sync and differs between ranks
+        same = all(torch.equal(r["local"], ranks[0]["local"]) for r in ranks)
+        assert same == (fragments == 1), slug
+        if fragments == 1:
+            assert torch.equal(ranks[0]["local"], ranks[0]["evaluated"]), slug
+
+
+def test_registry():
+    for slug, outer in [("diloco-dlion", "dlion"), ("diloco-nesterov", "nesterov")]:
+        s = strategies.get(slug)
+        assert (s.family, s.optimizer, s.options["outer"]) == ("diloco", "adamw", outer)
+        assert s.problem(3) is None
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(sync_every=0), ValueError, "sync_every must be >= 1, got 0"),
+    (dict(fragments=2.0), TypeError, "fragments must be an int, got float"),
+    (dict(sync_every=6, fragments=4), ValueError,
+     r"sync_every \(6\) must be a multiple of Settings.fragments \(4\)"),
+])
+def test_bad_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        b.Settings(**kwargs)

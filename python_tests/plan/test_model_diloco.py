@@ -1,0 +1,111 @@
+"""The runtime model's diloco-dlion and diloco-nesterov rows (SPEC §11 on §8): per inner step,
+compute plus one sync's exposed time and outer pass divided by the H / P steps between syncs;
+bytes against SPEC §2 and the ring all-reduce; the overlap rule; the jitter wait; bad input;
+the CLI and choose_strategy consider them."""
+
+import json
+import math
+
+import pytest
+
+from dlion_kernels.kernels.layout import HEADER_WORDS, WORD_BYTES, aggregate_planes, vote_planes
+from dlion_kernels.plan import model
+from dlion_kernels.plan.__main__ import main
+
+# 8 Gbit/s = 1 byte per ns: bytes / 1e6 = ms. Zero latency.
+GB = dict(inter_gbps=8.0, intra_gbps=8.0, latency_us=0.0, intra_latency_us=0.0)
+COMPUTE = dict(fwd_ms=10.0, bwd_ms=20.0, opt_ms=4.0)
+D, N = 32_000_000, 4
+
+
+def _rows(d=D, **kw):
+    args = dict(GB, **COMPUTE)
+    args.update(kw)
+    return {r.strategy: r for r in model.predict(d, N, **args)}
+
+
+@pytest.mark.parametrize("H, P", [(8, 1), (32, 4)])
+def test_hand_computed(H, P):
+    rows = _rows(sync_every=H, fragments=P)
+    k = H // P
+    nest, dl = rows["diloco-nesterov"], rows["diloco-dlion"]
+    # Nesterov: a ring all-reduce of the fragment's fp32, 2 (n-1)/n * 4 d / P bytes, per sync
+    sync = 2 * (N - 1) / N * 4 * D / P
+    assert nest.options["sync_bytes"] == pytest.approx(sync)
+    assert nest.bytes_per_rank == pytest.approx(sync / k)
+    assert nest.options["sync_ms"] == pytest.approx(sync / 1e6)
+    outer = COMPUTE["opt_ms"] / P
+    assert nest.step_ms == pytest.approx(34.0 + (sync / 1e6 + outer) / k)
+    assert nest.exposed_comm_ms == pytest.approx(sync / 1e6 / k)
+    # D-Lion: SPEC §2 (1 bit up, 1 bit down per element, headers and padding): 1/32 and a bit
+    shard = math.ceil(D / P / 32 / N)
+    up = (N - 1) * (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES
+    down = (N - 1) * shard * aggregate_planes("vote", "binary", N) * WORD_BYTES
+    assert dl.options["sync_bytes"] == pytest.approx(up + down)
+    assert dl.bytes_per_rank == pytest.approx((up + down) / k)
+    assert 31 < nest.bytes_per_rank / dl.bytes_per_rank <= 32
+    assert dl.step_ms == pytest.approx(34.0 + (dl.options["sync_ms"] + outer) / k)
+    assert dl.step_ms < nest.step_ms
+    assert (dl.options["sync_every"], dl.options["fragments"]) == (H, P)
+
+
+def test_per_step_strategies_pay_every_step():
+    rows = _rows(sync_every=64)
+    assert rows["diloco-nesterov"].bytes_per_rank == pytest.approx(
+        rows["allreduce-fp32"].bytes_per_rank / 64)
+    assert rows["diloco-dlion"].bytes_per_rank == pytest.approx(
+        rows["dlion-vote"].bytes_per_rank / 64, rel=1e-3)
+
+
+def test_overlap_hides_behind_inner_steps():
+    # tau = 1 inner step of 34 ms hides all of Nesterov's 24 ms all-reduce (H = 8, P = 1)
+    rows = _rows(4_000_000, sync_every=8, overlap_steps=1)
+    assert rows["diloco-nesterov"].options["sync_ms"] < 34.0
+    assert rows["diloco-nesterov"].exposed_comm_ms == 0.0
+    # D-Lion's all_gather is issued at the apply step: it stays exposed
+    dl = rows["diloco-dlion"]
+    assert 0 < dl.exposed_comm_ms < dl.comm_ms
+    # a slow link: only tau x compute of the all-reduce hides
+    slow = _rows(4_000_000, sync_every=8, overlap_steps=1, inter_gbps=0.8, intra_gbps=0.8)
+    nest = slow["diloco-nesterov"]
+    assert nest.exposed_comm_ms == pytest.approx((nest.options["sync_ms"] - 34.0) / 8)
+    # the host's work cannot hide
+    hosted = _rows(4_000_000, sync_every=8, overlap_steps=1, cpu_gbs=1.0)["diloco-nesterov"]
+    assert hosted.exposed_comm_ms > 0
+
+
+def test_jitter_wait_shrinks_with_longer_windows():
+    waits = [_rows(sync_every=h, jitter_ms=10.0)["diloco-dlion"].wait_ms for h in (1, 8, 64)]
+    assert waits[0] > waits[1] > waits[2] > 5.0  # the mean delay, J / 2, is always paid
+    # H = 1: the slowest of n, as a per-step strategy pays (normal approximation of uniform)
+    assert waits[0] == pytest.approx(_rows(jitter_ms=10.0)["dlion-vote"].wait_ms, rel=0.1)
+    normal = _rows(sync_every=4, jitter_ms=10.0, jitter_dist="normal")["diloco-dlion"].wait_ms
+    assert normal == pytest.approx(10.0 * model.expected_max(N, 1.0, "normal") / 2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sync_every=6, fragments=4), r"sync_every \(6\) must be a multiple of fragments \(4\)"),
+    (dict(sync_every=8, fragments=2, overlap_steps=4), "overlap_steps must be < sync_every / "
+     "fragments = 4, got 4"),
+    (dict(sync_every=0), "sync_every must be a finite number > 0"),
+    (dict(fragments=1.5), "fragments must be a whole number"),
+])
+def test_bad_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _rows(**kwargs)
+
+
+def test_choose_strategy_and_cli_consider_them(capsys):
+    slow = dict(inter_gbps=0.1, latency_us=30.0, fwd_ms=30.0, bwd_ms=60.0)
+    slug, row = model.choose_strategy("10M", 8, **slow)
+    assert (slug, row.strategy) == ("diloco-dlion", "diloco-dlion")
+    slug, _ = model.choose_strategy("10M", 8, allowed=["adamw-allreduce", "diloco-nesterov"],
+                                    **slow)
+    assert slug == "diloco-nesterov"
+    assert main(["--params", "10M", "--ranks", "8", "--inter-gbps", "0.1", "--fwd-ms", "30",
+                 "--bwd-ms", "60", "--sync-every", "32", "--fragments", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in out["rows"]}
+    assert out["best"] == "diloco-dlion"
+    assert rows["diloco-nesterov"]["options"]["sync_every"] == 32
+    assert rows["diloco-nesterov"]["options"]["fragments"] == 4
