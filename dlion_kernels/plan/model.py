@@ -816,8 +816,9 @@ def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
     on this cluster, fastest first. ``allowed``: slugs (None: every strategy the model
     predicts but local steps, ``diloco-*``, which change the training itself: fewer syncs, a
     different loss per step; name them to compare them); strategies that one row predicts
-    (``adamw-allreduce`` and ``lion-allreduce``) appear once, as the first of them in ``allowed`` (or registry) order. ``inputs``: the rest of
-    predict()'s keyword arguments (modes, topologies and strategies follow from ``allowed``)."""
+    (``adamw-allreduce`` and ``lion-allreduce``) appear once, as the first of them in
+    ``allowed`` (or registry) order. ``inputs``: the rest of predict()'s keyword arguments
+    (modes, topologies and strategies follow from ``allowed``)."""
     n = _number(ranks, "ranks", positive=True, integer=True)
     L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
     if allowed is None:

@@ -97,8 +97,10 @@ def test_bad_inputs(kwargs, match):
 
 def test_choose_strategy_and_cli_consider_them(capsys):
     slow = dict(inter_gbps=0.1, latency_us=30.0, fwd_ms=30.0, bwd_ms=60.0)
-    slug, row = model.choose_strategy("10M", 8, **slow)
+    slug, row = model.choose_strategy("10M", 8, allowed=["dlion-vote", "diloco-dlion"], **slow)
     assert (slug, row.strategy) == ("diloco-dlion", "diloco-dlion")
+    slug, _ = model.choose_strategy("10M", 8, **slow)  # local steps only when named
+    assert not slug.startswith("diloco-")
     slug, _ = model.choose_strategy("10M", 8, allowed=["adamw-allreduce", "diloco-nesterov"],
                                     **slow)
     assert slug == "diloco-nesterov"
