@@ -76,8 +76,10 @@ def worker(rank, n, group, steps, variant):
 CASES = [
     # (variant, action, point, occurrence, collectives the survivors may name, where they raise)
     # The victim dies just after starting bucket 0's all_to_all, during its backward: the
-    # survivors notice in backward (reducing bucket 0 when bucket 1 starts) or in step().
-    ("group", "kill", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
+    # survivors notice in backward (reducing bucket 0 when bucket 1 starts) or in step(). On the
+    # optimizer's new group the gathers' second group is made at that bucket too, just before
+    # its all_to_all: a survivor still connecting to it when the victim dies names it.
+    ("group", "kill", "after:" + A2A, 1, {A2A, GATHER, COMPANION}, {"backward", "step"}),
     ("group", "stop", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
     # The victim dies before the last bucket's gather, which step() issues: backward completes.
     ("group", "kill", "before:" + GATHER, BUCKETS, {GATHER}, {"step"}),
