@@ -5,7 +5,7 @@ evaluation runs on theta_bar, the same on every rank, and puts the local paramet
 
 import pytest
 import torch
-import torch.distributed as dist
+from test_diloco import _Recorder
 from workers import run_workers
 
 from dlion_kernels import build as b
@@ -14,36 +14,11 @@ from dlion_kernels.local import fragments as frag
 
 N, H, STEPS = 3, 4, 8
 SLUGS = ["diloco-dlion", "diloco-nesterov"]
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "all_gather", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single",
-                "send", "recv", "barrier")
 
 
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.GELU(), torch.nn.Linear(50, 3))
-
-
-class _Calls:
-    """The names of the torch.distributed collectives called inside."""
-
-    def __enter__(self):
-        self.calls = []
-        self.saved = {k: getattr(dist, k) for k in _COLLECTIVES if hasattr(dist, k)}
-        for name, fn in self.saved.items():
-            setattr(dist, name, self._wrap(name, fn))
-        return self
-
-    def _wrap(self, name, fn):
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            return fn(*args, **kwargs)
-
-        return call
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def _flat(model):
@@ -60,7 +35,7 @@ def _train(rank, n, fragments):
             torch.manual_seed(100 * rank + t)  # every rank its own data
             built.zero_grad()
             built(torch.randn(8, 40)).square().mean().backward()
-            with _Calls() as rec:
+            with _Recorder(n) as rec:
                 sent = built.step()
             steps.append((rec.calls, sent))
         local = _flat(built.model)
