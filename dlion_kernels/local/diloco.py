@@ -39,6 +39,17 @@ step, through the exchange's public ``finish()``; Nesterov's all-reduce runs ent
 background. At most one exchange is in flight (tau < H / P), so the collectives of every rank
 are issued in the same order.
 
+FSDP2 (``device_mesh=``, SPEC §10's mesh of N replicas x L shards, the model sharded with
+``fully_shard(module, mesh=mesh["shard"])``): every rank takes the steps above on its local
+shards. theta_bar, the outer momenta and d_i are of the local shard; the vote (or Nesterov's
+all-reduce) runs in the replicate group, between the N ranks holding the same shard, so the bytes
+are SPEC §2's for N voters on the local elements, between nodes. The fragments are cut by the
+global sizes, so every rank syncs the same tensors at the same step. One skip/raise decision
+for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered inside
+the shard group (a few bytes inside the node). The same-start check compares the local shards
+within each replicate group and the arguments within each shard group. ``group=`` may name the
+replicate group instead of ``device_mesh`` (as for ``DistributedLion``).
+
 Checkpoints: ``state_dict()`` holds the inner step, every fragment's theta_bar and outer
 momentum, and, inside an overlap window, the fragment's pseudo-gradients; loading it re-issues
 that exchange at the next ``step()``, which gives the same result (same inputs, same tie-rule
@@ -64,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from ..decentralized.wrapper import gossip_bytes_per_step
+from ..exchange import sharded
 from ..exchange.checks import check_hyperparameters, check_options, check_params
 from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
 from ..exchange.pipeline import (
@@ -84,6 +96,8 @@ DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 DIGESTS = "all_gather(parameter digests)"
+# FSDP2: the non-finite flag of Nesterov's mean, agreed inside the shard group
+FLAGS = "all_reduce(shard non-finite flags)"
 _LABEL = "DiLoCo sync at inner step"
 _APPLIED = ("nothing of this sync was applied: theta_bar, the outer momenta and the parameters "
             "are as before this step() on this rank")
@@ -107,6 +121,15 @@ class SyncStats:
     mode: str | None = None     # D-Lion only
     votes: str | None = None
     backend: str | None = None
+    # FSDP2 (``device_mesh=``): numel counts this rank's local elements and world_size is N, the
+    # replicas voting on them; bytes_sent adds the small agreement inside the shard group (L ranks)
+    intra_node_bytes_sent: int = 0
+    shards: int = 1
+
+    @property
+    def inter_node_bytes_sent(self) -> int:
+        """What went between the replicas (all of ``bytes_sent`` without FSDP2)."""
+        return self.bytes_sent - self.intra_node_bytes_sent
 
     @property
     def allreduce_fp32_bytes(self) -> int:
@@ -116,33 +139,40 @@ class SyncStats:
 
 class _Fragment:
     """A run of parameters that syncs together: flat fp32 theta_bar and outer momentum, with one
-    contiguous view per parameter."""
+    contiguous view per parameter. With FSDP2 they hold this rank's local shards only (the
+    parameters stay the DTensors FSDP2 manages; their local tensors are looked up at each use)."""
 
     def __init__(self, index: int, params: list, segment: Segment | None):
         self.index, self.params, self.segment = index, params, segment
-        self.numels = [p.numel() for p in params]
+        local = self.locals()
+        self.shapes = [t.shape for t in local]
+        self.numels = [t.numel() for t in local]
         self.numel = sum(self.numels)
-        self.theta = torch.cat([p.detach().reshape(-1).float() for p in params])
+        self.theta = torch.cat([t.detach().reshape(-1).float() for t in local])
         self.momentum = torch.zeros_like(self.theta)
         self.offsets, self.blocks = block_offsets(self.numels)
 
+    def locals(self) -> list:
+        """The tensors synced: the parameters, or their local shards (FSDP2)."""
+        return [sharded.local(p) for p in self.params]
+
     def views(self, flat: torch.Tensor) -> list:
         out, start = [], 0
-        for p, k in zip(self.params, self.numels):
-            out.append(flat[start : start + k].view(p.shape))
+        for shape, k in zip(self.shapes, self.numels):
+            out.append(flat[start : start + k].view(shape))
             start += k
         return out
 
     def pseudo_gradient(self) -> torch.Tensor:
         """d = theta_bar - theta_i, fp32, flat."""
-        local = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        local = torch.cat([t.detach().reshape(-1).float() for t in self.locals()])
         return torch.sub(self.theta, local, out=local)
 
     def set_params(self) -> None:
-        torch._foreach_copy_(self.params, self.views(self.theta))
+        torch._foreach_copy_(self.locals(), self.views(self.theta))
 
     def merge_params(self, alpha: float) -> None:
-        for p, t in zip(self.params, self.views(self.theta)):
+        for p, t in zip(self.locals(), self.views(self.theta)):
             p.copy_(torch.lerp(t, p.detach().float(), alpha))
 
 
@@ -177,7 +207,11 @@ class DiLoCo:
     fragments: P, Streaming DiLoCo's fragments. overlap_steps: tau < H / P, the inner steps an
         exchange runs in the background before it is applied. merge_alpha: the overlap merge's
         alpha in [0, 1] (used only with overlap_steps >= 1).
-    group: the process group (None: the default one, or a single process without one).
+    group: the process group (None: the default one, or a single process without one); for FSDP2
+        parameters without ``device_mesh``, the replicate group. ``self.group`` is the group the
+        exchange runs on (the replicate group with FSDP2).
+    device_mesh: for a model sharded by FSDP2 (DTensor parameters): the 2-D mesh (dims
+        "replicate", "shard") or the 1-D shard mesh (N = 1); module docstring, "FSDP2".
     nonfinite: "raise" or "skip" (module docstring). timeout: None (the group's own) or seconds /
         a timedelta bounding each wait for a collective of a sync.
 
@@ -190,7 +224,7 @@ class DiLoCo:
                  outer_weight_decay: float = 0.0, outer_momentum: float = 0.9,
                  mode: str = "vote", votes: str = "binary", fragments: int = 1,
                  overlap_steps: int = 0, merge_alpha: float = 0.5, group=None, backend=None,
-                 nonfinite: str = "raise", timeout=None):
+                 nonfinite: str = "raise", timeout=None, device_mesh=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -222,11 +256,14 @@ class DiLoCo:
         check_options(mode, votes, backend, nonfinite)
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
-        device = check_params(params)
-        pg, self.world_size = resolve_group(group)
+        # FSDP2: the exchange runs between the replicas of this rank's shards (SPEC §10)
+        self._sharding = sharded.resolve(params, device_mesh, group)
+        device = check_params([sharded.local(p) for p in params])
+        exchange_group = self._sharding.replicate if self._sharding is not None else group
+        pg, self.world_size = resolve_group(exchange_group)
         check_group_device(pg, self.world_size, device)
 
-        self.model, self.inner_optimizer, self.group = model, inner_optimizer, group
+        self.model, self.inner_optimizer, self.group = model, inner_optimizer, exchange_group
         self.sync_every, self.outer, self.outer_lr = sync_every, outer, float(outer_lr)
         self.outer_betas, self.outer_weight_decay = (beta1, beta2), float(outer_weight_decay)
         self.outer_momentum, self.merge_alpha = float(outer_momentum), float(merge_alpha)
@@ -271,38 +308,62 @@ class DiLoCo:
         return params
 
     def _config(self, params, cuts) -> bytes:
+        mesh = None if self._sharding is None else (self._sharding.replicas,
+                                                    self._sharding.shards)
         return repr((self.sync_every, self.outer, self.outer_lr, self.outer_betas,
                      self.outer_weight_decay, self.outer_momentum, self.merge_alpha, self.mode,
-                     self.votes, self.nonfinite, self.fragments, self.overlap_steps,
+                     self.votes, self.nonfinite, self.fragments, self.overlap_steps, mesh,
                      [(tuple(p.shape), str(p.dtype)) for p in params],
                      [(c.start, c.stop) for c in cuts])).encode()
 
+    def _gather_digests(self, digest: bytes, group, device) -> torch.Tensor:
+        """Every rank's ``digest`` in ``group``: [ranks, len(digest)] uint8 on the CPU."""
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+        size = dist.get_world_size(group)
+        out = torch.empty(size * mine.numel(), dtype=torch.uint8, device=device)
+        collective(DIGESTS, 0, all_gather, out, mine, group, timeout=self.timeout, label=_LABEL,
+                   applied="nothing was built")
+        return out.view(size, -1).cpu()
+
     def _check_same_start(self, params, cuts) -> None:
-        """Every rank has the same arguments and bit-identical parameters (one all_gather of two
-        16-byte digests); ValueError on every rank otherwise, before anything is kept."""
+        """Every rank has the same arguments and each replica bit-identical parameters (one
+        all_gather of two 16-byte digests in the exchange's group; with FSDP2 one more of the
+        arguments' digest in the shard group); ValueError on every rank otherwise, before
+        anything is kept."""
+        config = hashlib.blake2b(self._config(params, cuts), digest_size=16).digest()
+        device = sharded.local(params[0]).device
+        if self._sharding is not None and self._sharding.shards > 1:
+            rows = self._gather_digests(config, self._sharding.shard, device)
+            differs = [r for r in range(rows.shape[0]) if not torch.equal(rows[r], rows[0])]
+            if differs:
+                ranks = dist.get_process_group_ranks(self._sharding.shard)
+                raise ValueError(
+                    f"ranks {[ranks[r] for r in differs]} of this rank's shard group {ranks} "
+                    f"built DiLoCo with other arguments, or over another mesh or model, than rank "
+                    f"{ranks[0]}: every rank must call DiLoCo(...) alike")
         if self.world_size == 1:
             return
         weights = hashlib.blake2b(digest_size=16)
         for p in params:
-            weights.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-        config = hashlib.blake2b(self._config(params, cuts), digest_size=16).digest()
-        mine = torch.frombuffer(bytearray(config + weights.digest()), dtype=torch.uint8)
-        device = params[0].device
-        mine = mine.to(device)
-        out = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8, device=device)
-        collective(DIGESTS, 0, all_gather, out, mine, resolve_group(self.group)[0],
-                   timeout=self.timeout, label=_LABEL, applied="nothing was built")
-        rows = out.view(self.world_size, -1).cpu()
-        config_differs = [r for r in range(self.world_size) if not torch.equal(rows[r, :16],
-                                                                                rows[0, :16])]
+            local = sharded.local(p).detach().reshape(-1).contiguous()
+            weights.update(local.view(torch.uint8).cpu().numpy())
+        pg = resolve_group(self.group)[0]
+        rows = self._gather_digests(config + weights.digest(), pg, device)
+        # rank names: global ranks (the group's position when it is the default group)
+        ranks = dist.get_process_group_ranks(pg) if self._sharding is not None \
+            else list(range(self.world_size))
+        config_differs = [ranks[r] for r in range(self.world_size)
+                          if not torch.equal(rows[r, :16], rows[0, :16])]
         if config_differs:
             raise ValueError(f"ranks {config_differs} built DiLoCo with other arguments or a model "
-                             "of other parameter shapes/dtypes than rank 0: every rank must call "
-                             "DiLoCo(...) alike")
-        differs = [r for r in range(self.world_size) if not torch.equal(rows[r, 16:],
-                                                                         rows[0, 16:])]
+                             f"of other parameter shapes/dtypes than rank {ranks[0]}: every rank "
+                             "must call DiLoCo(...) alike")
+        differs = [ranks[r] for r in range(self.world_size)
+                   if not torch.equal(rows[r, 16:], rows[0, 16:])]
         if differs:
-            raise ValueError(f"model's parameters on ranks {differs} differ from rank 0's: every "
+            what = "local shards of the model's parameters" if self._sharding is not None \
+                else "model's parameters"
+            raise ValueError(f"{what} on ranks {differs} differ from rank {ranks[0]}'s: every "
                              "rank must start from the same weights (seed the initialization "
                              "alike). Resuming from a checkpoint: build DiLoCo on the fresh "
                              "model, then load the model's, the inner optimizer's and DiLoCo's "
@@ -364,20 +425,25 @@ class DiLoCo:
         inflight, self._inflight = self._inflight, None  # its collectives end here either way
         fragment, n = inflight.fragment, self.world_size
         try:
+            intra = 0
             if self.outer == "dlion":
-                stats = inflight.exchange.finish()
-                skipped, sent, received = stats.skipped, stats.bytes_sent, stats.bytes_received
+                agreement = None if self._sharding is None else \
+                    sharded.ShardAgreement(self._sharding, inflight.step, self.timeout)
+                stats = inflight.exchange.finish(agree=agreement)
+                skipped, sent = stats.skipped, stats.bytes_sent
+                intra = 0 if agreement is None else agreement.sent
             else:
                 if inflight.work is not None:
                     wait(inflight.work, inflight.step, ALL_REDUCE, self.timeout, label=_LABEL,
                          applied=_APPLIED)
                 mean = inflight.summed.div_(n) if n > 1 else inflight.summed
-                skipped = not bool(torch.isfinite(mean).all())
+                skipped, intra = self._nonfinite_anywhere(mean, inflight.step)
                 if skipped and self.nonfinite == "raise":
                     raise NonFiniteGradientError("a pseudo-gradient holds inf or NaN")
                 if not skipped:
                     self._nesterov(fragment, mean)
-                sent = received = round(gossip_bytes_per_step(fragment.numel, 4, n))
+                sent = round(gossip_bytes_per_step(fragment.numel, 4, n))
+            sent = received = sent + intra
         except DistributedStepError as e:
             raise self._as_sync_error(e, inflight) from e
         except NonFiniteGradientError as e:
@@ -396,9 +462,22 @@ class DiLoCo:
             numel=fragment.numel, world_size=n, bytes_sent=sent, bytes_received=received,
             skipped=skipped, mode=self.mode if d_lion else None,
             votes=self.votes if d_lion else None,
-            backend=inflight.exchange.backend if d_lion else None)
+            backend=inflight.exchange.backend if d_lion else None, intra_node_bytes_sent=intra,
+            shards=1 if self._sharding is None else self._sharding.shards)
         self.bytes_sent += sent
         return self.last_stats
+
+    def _nonfinite_anywhere(self, mean: torch.Tensor, step: int) -> tuple[bool, int]:
+        """Whether the mean pseudo-gradient holds inf or NaN here or, with FSDP2, on any rank of
+        the shard group (the other shards' means: one decision for the whole model), and the
+        bytes that cost this rank (a ring all-reduce of one int32 flag)."""
+        flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
+        if self._sharding is None or self._sharding.shards == 1:
+            return bool(flag), 0
+        collective(FLAGS, step, dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                   group=self._sharding.shard, timeout=self.timeout, label=_LABEL,
+                   applied=_APPLIED)
+        return bool(flag), round(gossip_bytes_per_step(1, 4, self._sharding.shards))
 
     def _nesterov(self, fragment: _Fragment, mean: torch.Tensor) -> None:
         """torch.optim.SGD(momentum=mu, nesterov=True)'s update, tensor by tensor."""
@@ -440,7 +519,7 @@ class DiLoCo:
             "format": FORMAT,
             "inner_step": self.inner_step,
             "sync_every": self.sync_every, "outer": self.outer, "fragments": self.fragments,
-            "overlap_steps": self.overlap_steps,
+            "overlap_steps": self.overlap_steps, "shards": self._shards,
             "fragment_numels": [f.numel for f in self._fragments],
             "theta_bar": [f.theta.clone() for f in self._fragments],
             "momentum": [f.momentum.clone() for f in self._fragments],
@@ -474,6 +553,11 @@ class DiLoCo:
             if sd.get(key) != getattr(self, key):
                 raise ValueError(f"state_dict was saved with {key}={sd.get(key)!r}, this DiLoCo "
                                  f"has {key}={getattr(self, key)!r}")
+        if sd.get("shards", 1) != self._shards:
+            raise ValueError(f"state_dict was saved with each replica sharded over "
+                             f"{sd.get('shards', 1)} ranks (FSDP2's shard dimension), this DiLoCo "
+                             f"over {self._shards}: resume on the same mesh (its theta_bar and "
+                             "outer momenta are this rank's local shards)")
         numels = [f.numel for f in self._fragments]
         if sd.get("fragment_numels") != numels:
             raise ValueError(f"state_dict's fragments hold {sd.get('fragment_numels')} elements, "
@@ -506,18 +590,24 @@ class DiLoCo:
     # ------------------------------------------------------------------------- inspection
 
     @property
+    def _shards(self) -> int:
+        return 1 if self._sharding is None else self._sharding.shards
+
+    @property
     def theta_bar(self) -> list:
-        """theta_bar per trainable parameter (fp32 views, ``model.parameters()`` order)."""
+        """theta_bar per trainable parameter (fp32 views, ``model.parameters()`` order; with
+        FSDP2, of this rank's local shards)."""
         return [v for f in self._fragments for v in f.views(f.theta)]
 
     @property
     def outer_momenta(self) -> list:
-        """This rank's outer momentum per trainable parameter (fp32 views; Nesterov's u)."""
+        """This rank's outer momentum per trainable parameter (fp32 views; Nesterov's u; with
+        FSDP2, of this rank's local shards)."""
         return [v for f in self._fragments for v in f.views(f.momentum)]
 
     @property
     def fragment_params(self) -> list:
-        """The parameters of each fragment, fragment by fragment."""
+        """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]
 
 

@@ -16,7 +16,8 @@ from faults import Fault, run_with_fault
 from test_diloco import _inner, _inner_step, _model
 
 import dlion_kernels as dk
-from dlion_kernels.local.diloco import ALL_REDUCE, DiLoCo
+from dlion_kernels.exchange.sharded import HEADERS
+from dlion_kernels.local.diloco import ALL_REDUCE, FLAGS, DiLoCo
 
 PG_TIMEOUT = 5.0  # seconds: the group's timeout and DiLoCo(timeout=)
 MARGIN = 15.0  # spawn and scheduling jitter on a shared 2-core machine
@@ -75,6 +76,57 @@ def test_dead_or_stalled_rank_at_a_sync(outer, tau, n, victim, point, action, na
     fault = Fault(rank=victim, step=sync, point=point, action=action)
     results = run_with_fault(n, worker, fault, outer, tau, pg_timeout=PG_TIMEOUT,
                              deadline=DEADLINE)
+    _check_survivors(results, n, victim, sync, tau, names)
+
+
+def fsdp_worker(rank, n, group, outer):
+    """``worker`` on a 2 x 2 FSDP2 mesh (test_diloco_fsdp's model): the mesh's groups have the
+    default group's long timeout, DiLoCo(timeout=) bounds each wait of a sync."""
+    from test_diloco_fsdp import _fsdp, _mesh
+    from test_diloco_fsdp import _inner_step as fsdp_inner_step
+    from test_diloco_fsdp import _snap as fsdp_snap
+
+    mesh = _mesh(2, 2)
+    net = _fsdp(mesh)
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    dist.barrier()
+    diloco = DiLoCo(net, inner, sync_every=H, outer=outer, outer_lr=5e-2, device_mesh=mesh,
+                    timeout=PG_TIMEOUT)
+    completed = []
+    for t in range(1, FAULT_SYNC + 3):
+        if t <= FAULT_SYNC:
+            dist.barrier()
+        fsdp_inner_step(net, inner, rank, t)
+        before = fsdp_snap(net, diloco)
+        start = time.monotonic()
+        try:
+            diloco.step()
+        except dk.DistributedStepError as e:
+            return dict(error=str(e), step=e.step, collective=e.collective, at=t,
+                        elapsed=time.monotonic() - start, before=before,
+                        now=fsdp_snap(net, diloco), completed=completed,
+                        inner_step=diloco.inner_step)
+        completed.append(fsdp_snap(net, diloco))
+    return dict(error=None, completed=completed)
+
+
+@pytest.mark.parametrize("outer,names", [
+    ("dlion", {A2A, GATHER, HEADERS}), ("nesterov", {ALL_REDUCE, FLAGS})])
+def test_dead_rank_at_a_sync_on_an_fsdp_mesh(outer, names):
+    """2 replicas x 2 shards, rank 3 killed at the second sync: its replicate peer (rank 1) fails
+    in the exchange, the others in the agreement inside their shard group (rank 2 with the dead
+    rank, rank 0 with rank 1, which has given up): every survivor raises, nothing modified."""
+    first = A2A if outer == "dlion" else ALL_REDUCE
+    fault = Fault(rank=3, step=FAULT_SYNC, point=f"before:{first}", action="kill")
+    results = run_with_fault(4, fsdp_worker, fault, outer, pg_timeout=PG_TIMEOUT,
+                             deadline=DEADLINE)
+    _check_survivors(results, 4, 3, FAULT_SYNC, 0, names, replicas=[(0, 2)])
+
+
+def _check_survivors(results, n, victim, sync, tau, names, replicas=None):
+    """Every survivor raised at the sync, in time, naming it, with nothing modified; before it,
+    the survivors (or each pair of ``replicas``: ranks holding the same shard) agree on
+    theta_bar bit for bit."""
     survivors = [r for r in range(n) if r != victim]
     assert results[victim] is None  # the victim never got to report
     for r in survivors:
@@ -91,7 +143,8 @@ def test_dead_or_stalled_rank_at_a_sync(outer, tau, n, victim, point, action, na
                 assert torch.equal(x, y)
         assert len(res["completed"]) == sync + tau - 1
     # the syncs before the failure: the survivors agree on theta_bar bit for bit
-    first = results[survivors[0]]["completed"][-1][1]
-    for r in survivors[1:]:
-        for x, y in zip(results[r]["completed"][-1][1], first, strict=True):
-            assert torch.equal(x, y)
+    for same in replicas or [survivors]:
+        first = results[same[0]]["completed"][-1][1]
+        for r in same[1:]:
+            for x, y in zip(results[r]["completed"][-1][1], first, strict=True):
+                assert torch.equal(x, y)
