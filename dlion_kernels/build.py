@@ -77,15 +77,17 @@ class Built:
     backward), ``stats`` the last ``StepStats`` of a D-Lion step (else None)."""
 
     def __init__(self, strategy: Strategy, model, module, optimizer, sent, source: str, *,
-                 after_step=None, finish=None, evaluation=None):
+                 after_step=None, finish=None, evaluation=None, extra_state=None):
         self.strategy, self.model, self.module, self.optimizer = strategy, model, module, optimizer
         self._sent = sent  # () -> (bytes this step, bytes to other nodes or None)
         self.bytes_source = source  # where the byte counts come from
         self._after_step = after_step  # () -> None: after the optimizer (DiLoCo's outer step)
         self._finish = finish  # () -> None: end outstanding communication
         self._evaluation = evaluation  # () -> the context to evaluate in
+        self._extra_state = extra_state  # () -> state bytes held outside the optimizer (DiLoCo)
         self.bytes_total = self.steps = 0
-        self.inter_node_bytes = None
+        self.inter_node_bytes = None  # of the last step (None: the strategy has no nodes)
+        self._inter_node_total = 0
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -102,6 +104,7 @@ class Built:
             self._after_step()
         sent, self.inter_node_bytes = self._sent()
         self.bytes_total += sent
+        self._inter_node_total += self.inter_node_bytes or 0
         self.steps += 1
         return sent
 
@@ -114,15 +117,26 @@ class Built:
     def memory(self) -> dict:
         """Bytes this rank holds now for parameters, gradients and optimizer state, counted
         from the tensors (``exchange.sharded.memory_per_rank``: a DTensor counts its local
-        shard) over the optimizer, or the gossip wrapper's optimizers."""
+        shard) over the optimizer, or the gossip wrapper's optimizers; DiLoCo's theta_bar and
+        outer momenta count as optimizer state."""
         opts = [self.optimizer] if self.optimizer is not None else self.module.optimizers
         counts = [memory_per_rank(o) for o in opts]
-        return {k: sum(c[k] for c in counts) for k in ("params", "grads", "optimizer_state")}
+        out = {k: sum(c[k] for c in counts) for k in ("params", "grads", "optimizer_state")}
+        if self._extra_state is not None:
+            out["optimizer_state"] += self._extra_state()
+        return out
 
     @property
     def bytes_per_step(self) -> int:
         """Mean bytes sent per step (alternating-exp-ring's groups change size step to step)."""
         return round(self.bytes_total / self.steps) if self.steps else 0
+
+    @property
+    def inter_node_bytes_per_step(self) -> int | None:
+        """Mean bytes sent to other nodes per step (DiLoCo's only at its syncs), or None."""
+        if self.inter_node_bytes is None or not self.steps:
+            return None
+        return round(self._inter_node_total / self.steps)
 
     def finish(self) -> None:
         """End outstanding communication (the last iteration's gossip)."""
@@ -383,26 +397,39 @@ class _ShardLion:
             self.inner.zero_grad(set_to_none=True)
 
 
+def _fully_shard(model, L: int, hsdp: bool = False, mp_policy=None):
+    """Shard ``model`` with FSDP2 in nodes of L ranks (each unit of ``_fsdp_units``, then the
+    root), on the shard dimension of the (N x L) mesh, or on the whole mesh (HSDP); returns
+    (mesh, units). FSDP2 does not broadcast: every replica starts from rank 0's, as DDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _fsdp_mesh(L, next(model.parameters()).device.type)
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t, 0)
+    kw = dict(mesh=mesh if hsdp else mesh["shard"])
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    units = list(_fsdp_units(model))
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw)
+    return mesh, units
+
+
 def _fsdp(strategy: Strategy, model, n: int, s: Settings) -> Built:
     """FSDP2 in nodes of L ranks (each ModuleList member / child, then the root): on the shard
     dimension with D-Lion's vote between the N = n / L replicas, or HSDP on the whole mesh
     (FSDP2 all-reduces the replicas' shards itself) with Lion on each shard. Bytes: D-Lion's
     StepStats between nodes; FSDP2's own collectives by the ring formulas (``_fsdp_bytes``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     o, L = strategy.options, s.ranks_per_node
-    mesh = _fsdp_mesh(L, next(model.parameters()).device.type)
-    with torch.no_grad():  # FSDP2 does not broadcast: every replica starts from rank 0's, as DDP
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(t, 0)
     hsdp = o["sync"] == "allreduce"
-    kw = dict(mesh=mesh if hsdp else mesh["shard"])
-    if o.get("wire") == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-    units = list(_fsdp_units(model))
-    for unit in units:
-        fully_shard(unit, **kw)
-    fully_shard(model, **kw)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if o.get("wire") == "bf16" \
+        else None
+    mesh, units = _fully_shard(model, L, hsdp, policy)
     intra, inter = _fsdp_bytes(units, model, L, n // L, 2 if o.get("wire") == "bf16" else 4,
                                hsdp)
     if hsdp:
@@ -449,24 +476,39 @@ def _decentralized(strategy: Strategy, model, n: int, s: Settings) -> Built:
 
 def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
     """Local AdamW steps (no communication), and every H / P inner steps DiLoCo's sync of one
-    fragment with the strategy's outer step. Bytes: DiLoCo's count of each sync (SyncStats),
-    0 between syncs. Evaluated on theta_bar: between syncs, and with P > 1 fragments at any
-    step, the ranks' local parameters differ."""
-    o = strategy.options
+    fragment with the strategy's outer step. ``diloco-*-fsdp``: the model sharded by FSDP2 in
+    nodes of L ranks (as fsdp-dlion), DiLoCo on the local shards with the outer step between
+    the replicas. Bytes: DiLoCo's count of each sync (SyncStats), 0 between syncs, plus with
+    FSDP2 its own collectives inside the node by the ring formulas (``_fsdp_bytes``) every step.
+    Evaluated on theta_bar: between syncs, and with P > 1 fragments at any step, the ranks'
+    local parameters differ."""
+    o, L = strategy.options, s.ranks_per_node
+    intra, kw = 0, {}
+    if o.get("fsdp"):
+        mesh, units = _fully_shard(model, L)
+        intra = _fsdp_bytes(units, model, L, n // L, 4, False)[0]
+        kw["device_mesh"] = mesh
     inner = torch.optim.AdamW(model.parameters(), lr=s.adamw_lr, weight_decay=s.weight_decay)
     lr = s.diloco_dlion_lr if o["outer"] == "dlion" else s.diloco_nesterov_lr
-    kw = dict(mode=o["mode"], backend=s.backend) if o["outer"] == "dlion" else {}
+    if o["outer"] == "dlion":
+        kw.update(mode=o["mode"], backend=s.backend)
     diloco = DiLoCo(model, inner, s.sync_every, o["outer"], outer_lr=lr,
                     fragments=s.fragments, **kw)
-    last = [0]
+    last, applied = [0], [None]
+
+    def after_step():
+        applied[0] = diloco.step()  # the sync applied in this step (no overlap_steps), or None
 
     def sent():
         delta, last[0] = diloco.bytes_sent - last[0], diloco.bytes_sent
-        return delta, None
+        if not o.get("fsdp"):
+            return delta, None
+        stats = applied[0]
+        return delta + intra, stats.inter_node_bytes_sent if stats is not None else 0
 
     @contextlib.contextmanager
     def synced():
-        params = [p for ps in diloco.fragment_params for p in ps]
+        params = [local(p) for ps in diloco.fragment_params for p in ps]
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
             torch._foreach_copy_(params, diloco.theta_bar)
@@ -476,8 +518,12 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
             with torch.no_grad():
                 torch._foreach_copy_(params, saved)
 
-    return Built(strategy, model, model, inner, sent, "SyncStats", after_step=diloco.step,
-                 evaluation=synced)
+    source = "SyncStats + formula (FSDP2)" if o.get("fsdp") else "SyncStats"
+    def outer_state():  # theta_bar and the outer momenta, fp32
+        return 4 * sum(t.numel() for t in diloco.theta_bar + diloco.outer_momenta)
+
+    return Built(strategy, model, model, inner, sent, source, after_step=after_step,
+                 evaluation=synced, extra_state=outer_state)
 
 
 BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion, "fsdp": _fsdp,

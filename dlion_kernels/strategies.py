@@ -20,7 +20,8 @@ lowercase and dash-separated, family first, then what sets it apart:
   ``topologies.py`` with ``accum-adamw``, ``accum-lion`` or ``adamw`` per bucket
 - ``diloco-dlion``, ``diloco-nesterov``: ``DiLoCo`` (local AdamW steps, an outer step every H =
   ``Settings.sync_every`` inner steps in ``Settings.fragments`` fragments) with D-Lion's vote or
-  DiLoCo's fp32 Nesterov as the outer step
+  DiLoCo's fp32 Nesterov as the outer step; ``diloco-dlion-fsdp``, ``diloco-nesterov-fsdp``:
+  the same on a model sharded as ``fsdp-dlion`` (DiLoCo on the local shards, ``device_mesh=``)
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
 builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
@@ -126,6 +127,11 @@ def _entries():
               outer="dlion", mode="vote")
     yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
               "diloco-nesterov", outer="nesterov")
+    # ... on an FSDP2-sharded model: DiLoCo on the local shards, the outer step between replicas
+    yield add("diloco-dlion-fsdp", "FSDP2 + DiLoCo, D-Lion vote outer step", "diloco", "adamw",
+              None, nodes=True, outer="dlion", mode="vote", fsdp=True)
+    yield add("diloco-nesterov-fsdp", "FSDP2 + DiLoCo, fp32 Nesterov outer step", "diloco",
+              "adamw", None, nodes=True, outer="nesterov", fsdp=True)
 
 
 STRATEGIES: dict[str, Strategy] = {s.slug: s for s in _entries()}

@@ -271,3 +271,60 @@ def test_fsdp_bytes_and_memory(fsdp_trained):
     fp32 = one["fsdp-allreduce"]["steps"][0]["inter"]
     assert one["fsdp-allreduce-bf16"]["steps"][0]["inter"] == fp32 // 2
     assert one["fsdp-dlion"]["steps"][0]["inter"] < fp32 / 8
+
+
+# ----------------------------------------------------------------------------- FSDP2 + DiLoCo
+
+FSDP_DILOCO = ["diloco-dlion-fsdp", "diloco-nesterov-fsdp"]
+DILOCO_SETTINGS = b.Settings(adamw_lr=1e-3, ranks_per_node=L, sync_every=2)
+
+
+def _fsdp_diloco_train(rank, n):
+    out = {}
+    for slug in FSDP_DILOCO:
+        built = b.build(slug, _model(), DILOCO_SETTINGS)
+        replicate = b._fsdp_mesh(L, "cpu")["replicate"].get_group()
+        steps = []
+        for step in range(4):
+            torch.manual_seed(100 * rank + step)  # every rank its own data
+            with RingBytes(replicate) as counted:
+                built.zero_grad()
+                built(torch.randn(8, 40)).square().mean().backward()
+                sent = built.step()
+            shards = [p.to_local().detach().clone() for p in built.model.parameters()]
+            same = True  # the replicas of this rank's shards hold the same bits
+            for mine in shards:
+                got = [torch.empty_like(mine) for _ in range(N // L)]
+                dist.all_gather(got, mine.contiguous(), group=replicate)
+                same &= all(torch.equal(g, mine) for g in got)
+            with built.evaluation():
+                evaluated = [p.to_local().detach().clone() for p in built.model.parameters()]
+            after = [p.to_local().detach() for p in built.model.parameters()]
+            steps.append(dict(sent=sent, inter=built.inter_node_bytes, counted=counted.inter
+                              + counted.intra, counted_inter=counted.inter, same=same,
+                              evaluation_restored=all(torch.equal(x, y) for x, y in
+                                                      zip(after, shards)),
+                              evaluated_same=all(torch.equal(x, y) for x, y in
+                                                 zip(evaluated, shards))))
+        out[slug] = dict(steps=steps, source=built.bytes_source)
+    return out
+
+
+def test_fsdp_diloco_strategies():
+    """diloco-*-fsdp on a 2 x 2 mesh, a sync every 2 steps: between syncs only FSDP2's own
+    collectives inside the node (nothing between nodes) and the replicas apart; at a sync the
+    replicas of every shard identical and the outer step's bytes between nodes; the byte counts
+    equal those counted at the collectives; evaluation() swaps theta_bar in and back."""
+    for r in run_workers(N, _fsdp_diloco_train):
+        for slug in FSDP_DILOCO:
+            got = r[slug]
+            assert got["source"] == "SyncStats + formula (FSDP2)"
+            for t, s in enumerate(got["steps"], start=1):
+                where = (slug, t)
+                assert s["sent"] == s["counted"] and s["inter"] == s["counted_inter"], where
+                assert s["evaluation_restored"], where
+                if t % 2:
+                    assert s["inter"] == 0 and s["sent"] > 0 and not s["same"], where
+                    assert not s["evaluated_same"], where
+                else:
+                    assert s["inter"] > 0 and s["same"] and s["evaluated_same"], where

@@ -276,7 +276,7 @@ def train_one(name, args, seed, rank, n, device, data):
         "val_loss": loss_val, "initial_val_loss": initial,
         "own_val_loss_mean": own.item() / n, "train_loss_end": (recent[0] / recent[1]).item(),
         "bytes_per_step": built.bytes_per_step, "steps": built.steps,
-        "inter_node_bytes_per_step": built.inter_node_bytes, "wall_s": wall_t.item(),
+        "inter_node_bytes_per_step": built.inter_node_bytes_per_step, "wall_s": wall_t.item(),
         "ranks_differ": differ, "eval_in_sync": eval_in_sync, "memory": memory,
         "numel": sum(p.numel() for p in model.parameters()), "workers": n,
         "ranks_per_node": ranks_per_node(args, n),

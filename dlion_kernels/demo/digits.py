@@ -135,7 +135,7 @@ def train_one(name, args, rank, n, device, data):
         "strategy": name, "label": strategies.get(name).label, "test_accuracy": acc,
         "bytes_per_step": built.bytes_per_step, "steps": built.steps, "wall_s": wall,
         "losses": losses, "ranks_in_sync": in_sync,
-        "inter_node_bytes_per_step": built.inter_node_bytes,
+        "inter_node_bytes_per_step": built.inter_node_bytes_per_step,
         "numel": sum(p.numel() for p in model.parameters()), "workers": n,
         "ranks_per_node": ranks_per_node(args, n),
     }
