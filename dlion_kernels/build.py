@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .decentralized.wrapper import DecentralizedDataParallel
+from .exchange.collectives import gather_into_tensor, reduce_scatter_into_tensor
 from .exchange.sharded import local, memory_per_rank
 from .local.diloco import DiLoCo
 from .optim.accum import AccumAdamW, AccumLion
@@ -259,8 +260,8 @@ def _hier_hook(groups, bucket):
     intra, inter = groups
     buf = bucket.buffer()
     fut = torch.futures.Future()
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = gather_into_tensor()
+    scatter = reduce_scatter_into_tensor()
 
     def run():
         try:

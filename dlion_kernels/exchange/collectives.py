@@ -32,6 +32,18 @@ import torch.distributed as dist
 NOTHING_APPLIED = "nothing of this step was applied to the parameters on this rank"
 
 
+def gather_into_tensor():
+    """``dist.all_gather_into_tensor`` under the name torch uses from 2.13 on
+    (``all_gather_single``), looked up at each call (tests wrap either name)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_into_tensor():
+    """``dist.reduce_scatter_tensor`` under the name torch uses from 2.13 on
+    (``reduce_scatter_single``; 2.13 warns at every call of the old name)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class DistributedStepError(RuntimeError):
     """A collective of a D-Lion step failed or timed out on this rank (a peer died or stalled).
 

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, check_tensor, check_params
-from .collectives import as_timedelta, collective, new_group
+from .collectives import as_timedelta, collective, new_group, reduce_scatter_into_tensor
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
     WORD_BYTES,
@@ -344,9 +344,7 @@ def _node_mean_grad(tensors, grads, layout: ShardLayout, topo: Topology, step, t
     grad = torch.empty(S * BLOCK, dtype=torch.float32, device=device)
     if L == 1:
         return grad.copy_(work), 0
-    # reduce_scatter_single where torch has it (2.13 deprecates reduce_scatter_tensor, warning
-    # at every call)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter = reduce_scatter_into_tensor()
     collective(REDUCE_SCATTER, step, scatter, grad, work,
                op=dist.ReduceOp.SUM, group=topo.intra, timeout=timeout)
     return grad.div_(L), (L - 1) * S * BLOCK * _F32_BYTES

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
-from .collectives import collective, group_timeout
+from .collectives import collective, gather_into_tensor, group_timeout
 from .collectives import wait as wait_work
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
@@ -133,7 +133,7 @@ class Row:
 
 def all_gather(output, input, group, async_op=False):
     """all_gather_into_tensor, under the name torch uses from 2.13 on (all_gather_single)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = gather_into_tensor()
     return gather(output, input, group=group, async_op=async_op)
 
 

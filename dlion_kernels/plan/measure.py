@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..exchange.collectives import gather_into_tensor, reduce_scatter_into_tensor
 from . import model
 
 SIZES = (64_000, 512_000, 2_000_000)  # bytes per rank of the calibration collectives
@@ -132,8 +133,8 @@ def _fit(xs, ys) -> tuple[float, float]:
 def _collectives(cl, n, L, reps, device):
     """Fit (lat_scale, bw_scale) per collective kind on the whole group."""
     g = model.Group(n, n // L, L)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = gather_into_tensor()
+    scatter = reduce_scatter_into_tensor()
     lat_only = model.Calibration({k: 1.0 for k in model.COLLECTIVES},
                                  {k: 0.0 for k in model.COLLECTIVES})
     bw_only = model.Calibration({k: 0.0 for k in model.COLLECTIVES},
