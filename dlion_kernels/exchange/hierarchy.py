@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
-from .checks import DTYPES, check_tensor, check_params
+from .checks import DTYPES, check_params, check_tensor
 from .collectives import as_timedelta, collective, new_group, reduce_scatter_into_tensor
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (

@@ -19,10 +19,10 @@ from .triton import (
     LAUNCH_OPTIONS,
     chunk_block,
     in_use,
+    launch_tables,
     load_f32,
     on_device,
     round_to,
-    launch_tables,
 )
 
 
