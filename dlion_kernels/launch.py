@@ -18,10 +18,7 @@ import torch
 import torch.distributed as dist
 
 
-def _spawned(fn, rank, n, store, out_dir, threads, args, env=None):
-    if env is not None:  # forked from the preloading server: take the caller's environment now
-        os.environ.clear()
-        os.environ.update(env)
+def _spawned(fn, rank, n, store, out_dir, threads, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
         torch.set_num_threads(threads)
@@ -41,34 +38,19 @@ def _spawned(fn, rank, n, store, out_dir, threads, args, env=None):
     os._exit(code)
 
 
-def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1,
-          preload: tuple = ()) -> list:
+def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> list:
     """``fn(rank, n, *args)`` on n spawned processes of this machine joined by a gloo process
     group (``torch.set_num_threads(threads)`` each); returns the n results, rank order.
-
-    ``preload``: module names (e.g. ``("torch",)``) to import once in a fork server from which
-    the ranks are then forked (multiprocessing's "forkserver"), instead of a fresh interpreter
-    per rank that imports them again: a rank starts in a fraction of a second instead of the
-    seconds ``import torch`` takes, which adds up over many short runs (the tests). The server
-    is made at the first such call and its modules are fixed then; each rank takes the caller's
-    environment of the moment. Nothing may be preloaded that starts threads or reads the
-    environment for later (torch does neither at import).
 
     ``fn`` must be a module-level function and its results picklable. When a rank raises, the
     others (waiting in a collective forever) are killed at once; after ``timeout`` seconds
     (None: no limit) every rank still running is killed. Either way RuntimeError names the
     ranks and holds the failed ones' tracebacks."""
-    env = None
-    if preload:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(preload))  # read when the server starts (first call)
-        env = dict(os.environ)
-    else:
-        ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         # a file store: no port to pick, so parallel runs on one machine cannot collide
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_spawned, args=(fn, r, n, store, tmp, threads, args, env))
+        procs = [ctx.Process(target=_spawned, args=(fn, r, n, store, tmp, threads, args))
                  for r in range(n)]
         end = None if timeout is None else time.monotonic() + timeout
         why = None  # why the ranks still running were killed

@@ -4,10 +4,6 @@ import torch.distributed as dist
 
 from dlion_kernels.launch import spawn
 
-# imported once in a fork server, from which every rank of every run is forked
-# (``spawn(preload=)``): ``import torch`` costs seconds per process on this machine
-PRELOAD = ("torch", "torch.distributed")
-
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
                 "all_gather", "broadcast", "reduce_scatter_tensor",
                 "reduce_scatter_single", "send", "recv")
@@ -16,7 +12,7 @@ _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_singl
 def run_workers(n: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, n, *args) on n spawned gloo processes, one thread each; returns the list of
     per-rank results (``dlion_kernels.launch.spawn``, with a bound for tests)."""
-    return spawn(n, fn, *args, timeout=timeout, preload=PRELOAD)
+    return spawn(n, fn, *args, timeout=timeout)
 
 
 class CountingCollectives:
