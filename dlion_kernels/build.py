@@ -423,7 +423,6 @@ def _fsdp(strategy: Strategy, model, n: int, s: Settings) -> Built:
     dimension with D-Lion's vote between the N = n / L replicas, or HSDP on the whole mesh
     (FSDP2 all-reduces the replicas' shards itself) with Lion on each shard. Bytes: D-Lion's
     StepStats between nodes; FSDP2's own collectives by the ring formulas (``_fsdp_bytes``)."""
-
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     o, L = strategy.options, s.ranks_per_node

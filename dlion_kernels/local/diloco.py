@@ -463,7 +463,7 @@ class DiLoCo:
             skipped=skipped, mode=self.mode if d_lion else None,
             votes=self.votes if d_lion else None,
             backend=inflight.exchange.backend if d_lion else None, intra_node_bytes_sent=intra,
-            shards=1 if self._sharding is None else self._sharding.shards)
+            shards=self._shards)
         self.bytes_sent += sent
         return self.last_stats
 
@@ -472,7 +472,7 @@ class DiLoCo:
         the shard group (the other shards' means: one decision for the whole model), and the
         bytes that cost this rank (a ring all-reduce of one int32 flag)."""
         flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
-        if self._sharding is None or self._sharding.shards == 1:
+        if self._shards == 1:
             return bool(flag), 0
         collective(FLAGS, step, dist.all_reduce, flag, op=dist.ReduceOp.MAX,
                    group=self._sharding.shard, timeout=self.timeout, label=_LABEL,

@@ -15,7 +15,7 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from test_diloco import _unchanged, check_outer_step, spec_bound
+from test_diloco import _Recorder, _unchanged, check_outer_step, spec_bound
 from torch import nn
 from workers import run_workers
 
@@ -27,8 +27,6 @@ from dlion_kernels.local.diloco import DiLoCo
 # odd sizes: FSDP's shards are uneven or empty ((33, 6): 17 and 16 rows; (1,): one and none)
 SHAPES = [(33, 6), (7,), (5, 4), (1,)]
 LR, WD, BETAS = 5e-2, 0.1, (0.9, 0.99)
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "all_gather", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single")
 
 
 class Block(nn.Module):
@@ -81,19 +79,14 @@ def _snap(net, diloco):
             [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta])
 
 
-class _ByGroup:
-    """The collectives called inside, in order, as (name, "replicate" | "shard"), and the bytes
-    this rank hands to them per group (all_to_all: (k-1)/k of its input, all_gather: its input to
-    each of k-1 peers, all_reduce: a ring's 2 (k-1)/k of it; k the group's size)."""
+class _ByGroup(_Recorder):
+    """test_diloco's recorder, by group: the collectives called inside, in order, as (name,
+    "replicate" | "shard"), and the bytes this rank hands to them per group (all_to_all: (k-1)/k
+    of its input, all_gather: its input to each of k-1 peers, all_reduce: a ring's 2 (k-1)/k of
+    it; k the group's size)."""
 
     def __init__(self, replicate):
         self.replicate, self.calls, self.sent = replicate, [], {"replicate": 0, "shard": 0}
-
-    def __enter__(self):
-        self.saved = {k: getattr(dist, k) for k in _COLLECTIVES if hasattr(dist, k)}
-        for name, fn in self.saved.items():
-            setattr(dist, name, self._wrap(name, fn))
-        return self
 
     def _wrap(self, name, fn):
         def call(*args, group=None, **kwargs):
@@ -109,10 +102,6 @@ class _ByGroup:
             return fn(*args, group=group, **kwargs)
 
         return call
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 # ----------------------------------------------------------------------------- syncs

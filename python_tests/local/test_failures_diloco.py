@@ -42,21 +42,28 @@ def worker(rank, n, group, outer, tau):
     diloco = DiLoCo(model, inner, sync_every=H * (tau + 1), outer=outer, outer_lr=5e-2,
                     overlap_steps=tau, group=group, timeout=PG_TIMEOUT)
     sync = FAULT_SYNC * (tau + 1)
+    return _until_error(diloco, lambda t: _inner_step(model, inner, rank, t),
+                        lambda: _snap(model, diloco), sync, sync + tau + 2)
+
+
+def _until_error(diloco, inner_step, snap, sync, last):
+    """Inner steps 1..``last`` (``inner_step(t)``), each followed by ``diloco.step()``, the
+    ranks lined up on the default group before each step up to ``sync``; at a
+    DistributedStepError what this rank saw (``snap()``: params, theta_bar, momenta)."""
     completed = []
-    for t in range(1, sync + tau + 3):
+    for t in range(1, last + 1):
         if t <= sync:
             dist.barrier()
-        _inner_step(model, inner, rank, t)
-        before = _snap(model, diloco)
+        inner_step(t)
+        before = snap()
         start = time.monotonic()
         try:
             diloco.step()
         except dk.DistributedStepError as e:
             return dict(error=str(e), step=e.step, collective=e.collective, at=t,
-                        elapsed=time.monotonic() - start, before=before,
-                        now=_snap(model, diloco), completed=completed,
-                        inner_step=diloco.inner_step)
-        completed.append(_snap(model, diloco))
+                        elapsed=time.monotonic() - start, before=before, now=snap(),
+                        completed=completed, inner_step=diloco.inner_step)
+        completed.append(snap())
     return dict(error=None, completed=completed)
 
 
@@ -92,23 +99,8 @@ def fsdp_worker(rank, n, group, outer):
     dist.barrier()
     diloco = DiLoCo(net, inner, sync_every=H, outer=outer, outer_lr=5e-2, device_mesh=mesh,
                     timeout=PG_TIMEOUT)
-    completed = []
-    for t in range(1, FAULT_SYNC + 3):
-        if t <= FAULT_SYNC:
-            dist.barrier()
-        fsdp_inner_step(net, inner, rank, t)
-        before = fsdp_snap(net, diloco)
-        start = time.monotonic()
-        try:
-            diloco.step()
-        except dk.DistributedStepError as e:
-            return dict(error=str(e), step=e.step, collective=e.collective, at=t,
-                        elapsed=time.monotonic() - start, before=before,
-                        now=fsdp_snap(net, diloco), completed=completed,
-                        inner_step=diloco.inner_step)
-        completed.append(fsdp_snap(net, diloco))
-    return dict(error=None, completed=completed)
-
+    return _until_error(diloco, lambda t: fsdp_inner_step(net, inner, rank, t),
+                        lambda: fsdp_snap(net, diloco), FAULT_SYNC, FAULT_SYNC + 2)
 
 @pytest.mark.parametrize("outer,names", [
     ("dlion", {A2A, GATHER, HEADERS}), ("nesterov", {ALL_REDUCE, FLAGS})])
