@@ -94,7 +94,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     assert trained[0]["ranks_in_sync"]
     out = capfd.readouterr().out  # rank 0's process printed the predictions
     assert f"chosen: {expected} (the model's row {row.strategy})" in out
-    assert "| allreduce-fp32 |" in out
+    assert "| lion-allreduce |" in out
 
 
 def test_demo_cli_errors(capsys):
