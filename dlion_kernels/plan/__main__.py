@@ -5,11 +5,12 @@
     torchrun --nproc-per-node 4 -m dlion_kernels.plan --measure --params 124M
 
 Prints the predicted step of every strategy (by its slug, ``dlion_kernels/strategies.py``),
-fastest first, and names the fastest. The ``diloco-*`` rows (local steps) come last: their times
-are per inner step, and they are not ranked against the others. ``--json`` prints ``{"rows":
-[...], "best": "<strategy>", "inputs": {...}}``, ``best`` being the fastest of the per-step
-rows, as the table's "fastest:" line says. ``--measure`` calibrates the
-links, the collectives and the compute on the running group first (only that path imports torch).
+fastest first, and names the fastest. The ``diloco-*`` rows (local steps) come last in the table:
+their times are per inner step, and they are not ranked against the others. ``--json`` prints
+``{"rows": [...], "best": "<strategy>", "inputs": {...}}``: the rows as ``predict`` returns
+them (all fastest first), ``best`` the fastest per-step row, as the table's "fastest:" line.
+``--measure`` calibrates the links, the collectives and the compute on the running group first
+(only that path imports torch).
 """
 
 from __future__ import annotations
@@ -183,9 +184,7 @@ def main(argv=None) -> int:
         rows = predict(args.params, **inputs, **options)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-    # local steps last: per inner step, not comparable with the others' training steps
-    rows = [r for r in rows if not per_inner_step(r)] + [r for r in rows if per_inner_step(r)]
-    name = best(rows)
+    name = best(rows)  # per-step rows only: diloco-* rows are per inner step
     if args.json:
         out = {"rows": [r.as_dict() for r in rows], "best": name,
                "inputs": {"params": args.params, **inputs,
@@ -205,7 +204,9 @@ def main(argv=None) -> int:
         print("collective scales (latency, bandwidth): " + ", ".join(
             f"{k}=({cal.lat_scale[k]:.2f}, {cal.bw_scale[k]:.2f})" for k in cal.lat_scale))
     print(f"inputs: {described}")
-    print(table(rows))
+    # local steps last: per inner step, not comparable with the others' training steps
+    print(table([r for r in rows if not per_inner_step(r)] + [r for r in rows
+                                                              if per_inner_step(r)]))
     fastest = next(r for r in rows if r.strategy == name)
     fp32 = next((r for r in rows if r.strategy == "lion-allreduce"), None)
     line = f"fastest: {name} ({fastest.step_ms:.1f} ms per step"

@@ -82,7 +82,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     ranked = plan.rank_strategies(numel, 2, 1, bucket_mb=demo.BUCKET_MB, **inputs)
     expected, row = ranked[0]
     assert expected.startswith("dlion-vote")  # 1 bit per parameter on a 50 Mbit/s link
-    assert {"adamw-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
+    assert {"lion-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
     # local steps change the training (a sync every H steps): ranked only when named
     assert not any(slug.startswith("diloco") for slug, _ in ranked)
     named = plan.rank_strategies(numel, 2, 1, allowed=["dlion-vote", "diloco-dlion"],

@@ -111,15 +111,27 @@ def test_choose_strategy_and_cli_consider_them(capsys):
     # the fastest per inner step, but not ranked against training steps: best is per step
     assert rows["diloco-dlion"]["step_ms"] < min(
         r["step_ms"] for r in out["rows"] if not r["strategy"].startswith("diloco-"))
-    assert out["best"] == out["rows"][0]["strategy"] == "dlion-vote-overlap"
-    assert [r["strategy"] for r in out["rows"][-2:]] == ["diloco-dlion", "diloco-nesterov"]
+    assert out["rows"][0]["strategy"] == "diloco-dlion"  # the rows as predict() ranks them
+    assert out["best"] == "dlion-vote-overlap"
     assert rows["diloco-nesterov"]["options"]["sync_every"] == 32
     assert rows["diloco-nesterov"]["options"]["fragments"] == 4
     assert main(["--params", "10M", "--ranks", "8", "--inter-gbps", "0.1", "--fwd-ms", "30",
                  "--bwd-ms", "60", "--sync-every", "32", "--fragments", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    table = [x.split(" | ")[0].lstrip("| ") for x in lines if x.startswith("| ")][2:]
+    assert table[-2:] == ["diloco-dlion", "diloco-nesterov"]  # last: not ranked
     assert next(x for x in lines if x.startswith("fastest: ")).startswith(
         "fastest: dlion-vote-overlap (")
     ranked_not = next(x for x in lines if x.startswith("not ranked: "))
     assert "diloco-dlion" in ranked_not and "per inner step" in ranked_not
     assert "sync every 32 inner steps" in ranked_not
+
+
+def test_best_ranks_only_per_step_rows():
+    """best() names the fastest per-step row; diloco-* rows (per inner step) only among
+    themselves."""
+    rows = model.predict("10M", 8, inter_gbps=0.1, fwd_ms=30, bwd_ms=60, sync_every=32,
+                         fragments=4)
+    assert rows[0].strategy == "diloco-dlion" and model.per_inner_step(rows[0])
+    assert model.best(rows) == next(r.strategy for r in rows if not model.per_inner_step(r))
+    assert model.best([r for r in rows if model.per_inner_step(r)]) == "diloco-dlion"
