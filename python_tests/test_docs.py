@@ -161,7 +161,7 @@ def link_problems(page: Path, text: str, root: Path = ROOT) -> list[str]:
 # ("--seed 1", "seed 0") and benchmark rounds ("3 rounds") are fine.
 PROCESS = {
     "an issue number": r"(?i)\bissue \d+",
-    "a round": r"(?i)\b(?:round \d+|(?:next|this|last|previous) round)\b",
+    "a round": r"(?i)\b(?:round[ -]\d+|(?:next|this|last|previous) round)\b",
     "a paper by its seed": r"(?i)\bseed \d+'s|\(seed \d+\)|\bseed-\d",
     "a SPEC section": r"\bSPEC\b|§",
     "a GPU visit": r"(?i)\b(?:the|a|GPU) visit\b",
@@ -309,10 +309,10 @@ def test_checks_catch_broken_docs(tmp_path):
 
 
 def test_process_words_are_caught():
-    text = ("Issue 19's targets; round 1; the next round; seed 2's factor; the model (seed 2);\n"
-            "SPEC §11 fixes it; part of the GPU visit; flock /work/notes/x.lock")
+    text = ("Issue 19's targets; round 1; the round-2 keys; the next round; seed 2's factor;\n"
+            "the model (seed 2); SPEC §11 fixes it; part of the GPU visit; flock /work/notes/x")
     found = process_words(text)
-    assert len(found) == 9, found
+    assert len(found) == 10, found
     assert found[-1].startswith("line 2: a machine path")
     fine = ("--seed 1 and --seeds 0 1 2; the demo's lrs, seed 0); 3 rounds, rounded, around;\n"
             "bench/results/plan-network-round1/; bash bench/gpu_visit.sh; dk.save_state(opt, d)")
