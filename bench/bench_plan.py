@@ -9,7 +9,7 @@ the measurement states, and writes ``bench/results/plan-<timestamp>/`` (or ``--o
 ``bench_plan.{json,csv,md,png}``: one row per (configuration, strategy) with predicted, measured
 and the relative error; per configuration the predicted-fastest and the measured-fastest; the
 summary (median and worst absolute error, how often the predicted-fastest is the measured-fastest
-or within 5% of it) against issue 10's targets (15%, 35%, 90%); a predicted-against-measured
+or within 5% of it) against the model's targets (15%, 35%, 90%); a predicted-against-measured
 scatter plot.
 
 Input formats (detected from the file):
@@ -17,7 +17,7 @@ Input formats (detected from the file):
 1. The generic schema (write this from any harness)::
 
        {"rows": [{"config": "1gbit-n4",            # rows with the same config are compared
-                  "strategy": "dlion-vote",         # a strategy name of predict()
+                  "strategy": "dlion-vote",         # a row of predict(): a strategy slug
                   "measured_ms": 129.1,             # slowest rank, median over steps
                   "role": "validate",               # or "calibrate" (see below); optional
                   "inputs": {"params": 26214400, "ranks": 4, "ranks_per_node": 1,
@@ -31,7 +31,7 @@ Input formats (detected from the file):
    whose role is ``calibrate`` (the collectives alone, as ``--measure`` times them on the
    running group), never on the rows they are then judged on.
 
-2. ``bench/bench_network.py``'s JSON (round 1: the optimizer phase of a step over the emulated
+2. ``bench/bench_network.py``'s JSON (the optimizer phase of a step over the emulated
    network, no forward/backward): per (rate, n), the measured link rate, the local Lion time
    (opt_ms, all ranks computing at once), the collectives alone (calibration rows) and the
    whole phase for Lion + fp32 all-reduce, D-Lion vote and average (validation rows).
@@ -80,9 +80,9 @@ def from_network(doc: dict) -> list[dict]:
                 "cpu_gbs": "fit"}
         config = f"{rate:g}gbit-n{n}"
         for key, strategy, role, opt in [
-            ("allreduce_fp32_comm", "allreduce-fp32", "calibrate", 0.0),
+            ("allreduce_fp32_comm", "lion-allreduce", "calibrate", 0.0),
             ("dlion_vote_binary_comm", "dlion-vote", "calibrate", 0.0),
-            ("lion_allreduce_fp32", "allreduce-fp32", "validate", local["t_max_ms"]),
+            ("lion_allreduce_fp32", "lion-allreduce", "validate", local["t_max_ms"]),
             ("dlion_vote_binary", "dlion-vote", "validate", local["t_max_ms"]),
             ("dlion_average_binary", "dlion-average", "validate", local["t_max_ms"]),
         ]:
@@ -99,13 +99,14 @@ LOOPBACK_GBPS = 40.0  # intra-node (a namespace's loopback); the host rate bound
 def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     """bench_training.json (ROW_SCHEMA there) -> generic rows, one per modelled variant.
 
-    Variants are strategy slugs, or the round-2 keys of older files (``strategies.resolve``);
-    each is validated against its strategy's runtime-model row. Compute comes from the same
-    configuration's ``dlion-local`` variant (``no_comm`` before; the step with a local tally
-    instead of the exchange): its median fwd, bwd and opt phases, and its median rank's
-    step time, whose excess over the phases and the modelled jitter wait (zeroing gradients,
-    the loop) is added to fwd. The link rate is the configuration's tbf rate;
-    the measured shaper rate of bench_network (~0.96 of it) is applied when given.
+    Variants are strategy slugs, or the variant keys of older files (``ddp_fp32``,
+    ``dec_ring``, ...: ``strategies.resolve``); each is validated against its strategy's
+    runtime-model row. Compute comes from the same configuration's ``dlion-local`` variant
+    (``no_comm`` before; the step with a local tally instead of the exchange): its median fwd,
+    bwd and opt phases, and its median rank's step time, whose excess over the phases and the
+    modelled jitter wait (zeroing gradients, the loop) is added to fwd. The link rate is the
+    configuration's tbf rate; the measured shaper rate of bench_network (~0.96 of it) is
+    applied when given.
 
     ``compute="own-forward"``: the same phases scaled by the variant's own forward time over
     no_comm's (the forward communicates in no variant), for a machine whose load changes
@@ -298,20 +299,20 @@ def clusters_table() -> tuple[list[dict], str]:
             rows = {r.strategy: r for r in model.predict(
                 params, inputs.pop("ranks"), inputs.pop("ranks_per_node"), **inputs)}
             best_name = model.best(list(rows.values()))
-            dec = min((r for r in rows.values() if r.strategy.startswith("decentralized")),
+            dec = min((r for r in rows.values() if r.options.get("kind") == "decentralized"),
                       key=lambda r: r.step_ms)
-            hier = rows.get("dlion-hier-vote-overlap")
+            hier = rows.get("dlion-vote-hier-overlap")
             out.append({
                 "cluster": cname, "model": mname, "fwd_ms": inputs["fwd_ms"],
                 "bwd_ms": inputs["bwd_ms"], "fastest": best_name,
                 "fastest_ms": rows[best_name].step_ms,
-                "allreduce_fp32_ms": rows["allreduce-fp32"].step_ms,
-                "allreduce_bf16_ms": rows["allreduce-bf16"].step_ms,
+                "allreduce_fp32_ms": rows["lion-allreduce"].step_ms,
+                "allreduce_bf16_ms": rows["lion-allreduce-bf16"].step_ms,
                 "dlion_overlap_ms": rows["dlion-vote-overlap"].step_ms,
                 "dlion_hier_overlap_ms": hier.step_ms if hier else None,
-                "decentralized_best": dec.strategy.replace("decentralized-", ""),
+                "decentralized_best": dec.options["topology"],
                 "decentralized_ms": dec.step_ms,
-                "speedup_vs_fp32": rows["allreduce-fp32"].step_ms / rows[best_name].step_ms})
+                "speedup_vs_fp32": rows["lion-allreduce"].step_ms / rows[best_name].step_ms})
     text = common.markdown_table(out, [
         ("cluster", "cluster"), ("model", "model"), ("fwd_ms", "fwd ms", ".1f"),
         ("bwd_ms", "bwd ms", ".1f"), ("allreduce_fp32_ms", "all-reduce fp32", ".1f"),
@@ -340,7 +341,7 @@ def report(result: dict) -> str:
         ("predicted_fastest_measured_ms", "its measured ms", ".1f"),
         ("measured_fastest_ms", "fastest measured ms", ".1f"), ("ok", "within 5%")]))
     fit = s["fitted"]
-    lines += ["", "## Targets (issue 10)", "",
+    lines += ["", "## Targets", "",
               f"- validation rows: {s['validation_rows']} in {s['configurations']} "
               f"configurations" + (
                   f"; fitted on the calibration rows (collectives alone) only: latency "

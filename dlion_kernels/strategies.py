@@ -25,7 +25,10 @@ lowercase and dash-separated, family first, then what sets it apart:
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
 builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
-predicts its step (``plan/model.py``; None where the model has none). Numbers that are the same
+predicts its step (``plan/model.py``; None where the model has none). The model names its rows
+by these slugs: a strategy's row is its own slug, or, where two strategies run the same
+exchange, the other's (``adamw-allreduce`` is predicted by ``lion-allreduce``'s row, the
+decentralized optimizers of a topology by its ``accum-adamw`` row). Numbers that are the same
 for every strategy of a run (learning rates, bucket size, L, K) are the builder's ``Settings``,
 not part of the name.
 
@@ -55,7 +58,7 @@ class Strategy:
     label: str  # its name in tables
     family: str  # which builder runs it: allreduce, local, dlion, fsdp, decentralized, diloco
     optimizer: str  # the update on each rank: adamw, lion, dlion, accum-adamw, accum-lion
-    row: str | None  # the runtime model's row that predicts its step, or None
+    row: str | None  # the slug of the runtime model's row that predicts its step, or None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     nodes: bool = False  # runs on nodes of L = ranks_per_node > 1 ranks
     bucketed: bool = False  # exchanges per bucket of bucket_mb during backward
@@ -80,46 +83,47 @@ def _entries():
                         bucketed, legacy)
 
     # DDP: one all-reduce per bucket during backward
-    yield add("adamw-allreduce", "AdamW + all-reduce", "allreduce", "adamw", "allreduce-fp32",
+    yield add("adamw-allreduce", "AdamW + all-reduce", "allreduce", "adamw", "lion-allreduce",
               bucketed=True, wire="fp32")
-    yield add("lion-allreduce", "Lion + all-reduce", "allreduce", "lion", "allreduce-fp32",
+    yield add("lion-allreduce", "Lion + all-reduce", "allreduce", "lion", "lion-allreduce",
               bucketed=True, legacy="ddp_fp32", wire="fp32")
     # fp16 moves the bf16 row's bytes; kept out of the model's validation as before (None)
     yield add("lion-allreduce-fp16", "Lion + fp16 all-reduce", "allreduce", "lion", None,
               bucketed=True, legacy="ddp_fp16", wire="fp16")
     yield add("lion-allreduce-bf16", "Lion + bf16 all-reduce", "allreduce", "lion",
-              "allreduce-bf16", bucketed=True, legacy="ddp_bf16", wire="bf16")
+              "lion-allreduce-bf16", bucketed=True, legacy="ddp_bf16", wire="bf16")
     yield add("lion-allreduce-hier", "Lion + hier. all-reduce (RS/AR/AG)", "allreduce", "lion",
               None, nodes=True, bucketed=True, legacy="hier_fp32", wire="hier-fp32")
     yield add("dlion-local", "D-Lion, local tally (no comm)", "local", "dlion", None,
               legacy="no_comm")
     for mode in MODES:
-        for suffix, label, overlap, hier, hook, row, legacy in [
-                ("", "", False, False, False, f"dlion-{mode}", "dlion"),
-                ("-overlap", ", overlap", True, False, False, f"dlion-{mode}-overlap",
-                 "dlion_overlap"),
-                ("-hier", ", hierarchy", False, True, False, f"dlion-hier-{mode}", "dlion_hier"),
-                ("-hier-overlap", ", hierarchy, overlap", True, True, False,
-                 f"dlion-hier-{mode}-overlap", "dlion_hier_overlap"),
-                ("-ddp-hook", ", DDP hook", False, False, True, None, "dlion_ddp_hook")]:
-            yield add(f"dlion-{mode}{suffix}", f"D-Lion {mode}{label}", "dlion", "dlion", row,
+        for suffix, label, overlap, hier, hook, modelled, legacy in [
+                ("", "", False, False, False, True, "dlion"),
+                ("-overlap", ", overlap", True, False, False, True, "dlion_overlap"),
+                ("-hier", ", hierarchy", False, True, False, True, "dlion_hier"),
+                ("-hier-overlap", ", hierarchy, overlap", True, True, False, True,
+                 "dlion_hier_overlap"),
+                ("-ddp-hook", ", DDP hook", False, False, True, False, "dlion_ddp_hook")]:
+            slug = f"dlion-{mode}{suffix}"
+            yield add(slug, f"D-Lion {mode}{label}", "dlion", "dlion", slug if modelled else None,
                       nodes=hier, bucketed=overlap or hook,
                       legacy=legacy if mode == "vote" else None, mode=mode, overlap=overlap,
                       hierarchy=hier, ddp_hook=hook)
     # FSDP2 (SPEC §10): sharded in nodes of L ranks; the replicas vote, or HSDP all-reduces
     for suffix, label, overlap in [("", "", False), ("-overlap", ", overlap", True)]:
         yield add(f"fsdp-dlion{suffix}", f"FSDP2 + D-Lion vote{label}", "fsdp", "dlion",
-                  f"fsdp-dlion-vote{suffix}", nodes=True, bucketed=overlap, sync="dlion",
+                  f"fsdp-dlion{suffix}", nodes=True, bucketed=overlap, sync="dlion",
                   mode="vote", overlap=overlap)
     for suffix, wire in [("", "fp32"), ("-bf16", "bf16")]:
         yield add(f"fsdp-allreduce{suffix}", f"FSDP2 HSDP ({wire} all-reduce) + Lion", "fsdp",
-                  "lion", f"fsdp-allreduce-{wire}", nodes=True, sync="allreduce", wire=wire)
+                  "lion", f"fsdp-allreduce{suffix}", nodes=True, sync="allreduce", wire=wire)
     round2 = {"ring": "dec_ring", "one-peer-exp": "dec_one_peer_exp",
               "alternating-exp-ring": "dec_alt_exp_ring"}  # all with accum-adamw
     for topology in TOPOLOGIES:
         for opt in DECENTRALIZED_OPTIMIZERS:
             yield add(f"decentralized-{topology}-{opt}", f"Decentralized {topology} {opt}",
-                      "decentralized", opt, f"decentralized-{topology}", bucketed=True,
+                      "decentralized", opt, f"decentralized-{topology}-accum-adamw",
+                      bucketed=True,
                       legacy=round2.get(topology) if opt == "accum-adamw" else None,
                       topology=topology)
     # DiLoCo (SPEC §11): inner AdamW alone on every rank, an outer step every H inner steps

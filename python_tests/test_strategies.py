@@ -9,21 +9,22 @@ from dlion_kernels import strategies
 from dlion_kernels.plan import model
 from dlion_kernels.topologies import TOPOLOGIES
 
-# bench_training's round-2 variant keys and the runtime-model rows bench_plan validated them on
+# bench_training's round-2 variant keys and the runtime-model rows bench_plan validates them on
 ROUND2 = {
-    "no_comm": ("dlion-local", None), "ddp_fp32": ("lion-allreduce", "allreduce-fp32"),
+    "no_comm": ("dlion-local", None), "ddp_fp32": ("lion-allreduce", "lion-allreduce"),
     "ddp_fp16": ("lion-allreduce-fp16", None), "ddp_bf16": ("lion-allreduce-bf16",
-                                                             "allreduce-bf16"),
+                                                             "lion-allreduce-bf16"),
     "dlion": ("dlion-vote", "dlion-vote"), "dlion_overlap": ("dlion-vote-overlap",
                                                              "dlion-vote-overlap"),
     "dlion_ddp_hook": ("dlion-vote-ddp-hook", None),
-    "dlion_hier": ("dlion-vote-hier", "dlion-hier-vote"),
-    "dlion_hier_overlap": ("dlion-vote-hier-overlap", "dlion-hier-vote-overlap"),
+    "dlion_hier": ("dlion-vote-hier", "dlion-vote-hier"),
+    "dlion_hier_overlap": ("dlion-vote-hier-overlap", "dlion-vote-hier-overlap"),
     "hier_fp32": ("lion-allreduce-hier", None),
-    "dec_ring": ("decentralized-ring-accum-adamw", "decentralized-ring"),
-    "dec_one_peer_exp": ("decentralized-one-peer-exp-accum-adamw", "decentralized-one-peer-exp"),
+    "dec_ring": ("decentralized-ring-accum-adamw", "decentralized-ring-accum-adamw"),
+    "dec_one_peer_exp": ("decentralized-one-peer-exp-accum-adamw",
+                         "decentralized-one-peer-exp-accum-adamw"),
     "dec_alt_exp_ring": ("decentralized-alternating-exp-ring-accum-adamw",
-                         "decentralized-alternating-exp-ring"),
+                         "decentralized-alternating-exp-ring-accum-adamw"),
 }
 
 
@@ -40,6 +41,24 @@ def test_one_slug_scheme():
         for opt in strategies.DECENTRALIZED_OPTIMIZERS:
             s = strategies.get(f"decentralized-{topology}-{opt}")
             assert (s.optimizer, s.options["topology"]) == (opt, topology)
+
+
+def test_the_model_names_its_rows_by_slug():
+    """Every row predict() returns is named by a strategy's slug and predicts that strategy; a
+    strategy whose row is another's shares that one's exchange (the same family and wire)."""
+    for n, L in [(8, 1), (8, 2), (16, 4)]:
+        for r in model.predict("10M", n, L, inter_gbps=10, fwd_ms=1, bwd_ms=2,
+                               modes=strategies.MODES):
+            assert strategies.get(r.strategy).row == r.strategy, r.strategy
+    shared = {s.slug: s.row for s in strategies.STRATEGIES.values()
+              if s.row is not None and s.row != s.slug}
+    assert shared["adamw-allreduce"] == "lion-allreduce"
+    assert shared["decentralized-ring-adamw"] == "decentralized-ring-accum-adamw"
+    assert len(shared) == 1 + 2 * len(TOPOLOGIES)
+    for slug, row in shared.items():
+        a, b = strategies.get(slug), strategies.get(row)
+        assert (a.family, a.options.get("wire"), a.options.get("topology")) == (
+            b.family, b.options.get("wire"), b.options.get("topology")), slug
 
 
 def test_every_row_is_one_the_model_predicts():

@@ -1,4 +1,4 @@
-"""The runtime model (seed 2): predicted step time of every strategy, and the fastest.
+"""The runtime model: predicted step time of every strategy, and the fastest.
 
 ``predict`` needs numbers only; nothing here imports torch. ``python -m dlion_kernels.plan
 --measure`` (``measure.py``) alone imports torch and the exchange to calibrate on a real group.

@@ -4,9 +4,13 @@
         --intra-gbps 1600 --latency-us 30 --fwd-ms 80 --bwd-ms 160 [--jitter-ms 10] [--json]
     torchrun --nproc-per-node 4 -m dlion_kernels.plan --measure --params 124M
 
-Prints the predicted step of every strategy, fastest first, and names the fastest. ``--json``
-prints ``{"rows": [...], "best": "<strategy>", "inputs": {...}}``. ``--measure`` calibrates the
-links, the collectives and the compute on the running group first (only that path imports torch).
+Prints the predicted step of every strategy (by its slug, ``dlion_kernels/strategies.py``),
+fastest first, and names the fastest. The ``diloco-*`` rows (local steps) come last in the table:
+their times are per inner step, and they are not ranked against the others. ``--json`` prints
+``{"rows": [...], "best": "<strategy>", "inputs": {...}}``: the rows as ``predict`` returns
+them (all fastest first), ``best`` the fastest per-step row, as the table's "fastest:" line.
+``--measure`` calibrates the links, the collectives and the compute on the running group first
+(only that path imports torch).
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ import json
 import sys
 
 from ..topologies import TOPOLOGIES
-from .model import ALGORITHMS, JITTER_DISTS, MODES, OPT_BYTES_PER_PARAM, best, parse_size, predict
+from .model import (
+    ALGORITHMS,
+    JITTER_DISTS,
+    MODES,
+    OPT_BYTES_PER_PARAM,
+    best,
+    parse_size,
+    per_inner_step,
+    predict,
+)
 
 COLUMNS = [  # (header, row field, scale, format)
     ("strategy", "strategy", None, "{}"),
@@ -39,8 +52,8 @@ gossip group); comm ms: all its collectives back to back; exposed ms: the part o
 step waits for (the rest hides behind backward, or a whole iteration for gossip); MB/rank: bytes
 each rank sends per step (10^6), split into intra-node and inter-node links; mem MB: what a rank
 holds for parameters, gradients and optimizer state (- where the strategy's optimizer decides).
-diloco-*: per inner step, one sync's communication and outer step divided by the H / P inner
-steps between syncs."""
+diloco-* (last, not ranked): per inner step of local-step training, one sync's communication and
+outer step divided by the H / P inner steps between syncs."""
 
 
 def table(rows) -> str:
@@ -171,7 +184,7 @@ def main(argv=None) -> int:
         rows = predict(args.params, **inputs, **options)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-    name = best(rows)
+    name = best(rows)  # per-step rows only: diloco-* rows are per inner step
     if args.json:
         out = {"rows": [r.as_dict() for r in rows], "best": name,
                "inputs": {"params": args.params, **inputs,
@@ -191,12 +204,21 @@ def main(argv=None) -> int:
         print("collective scales (latency, bandwidth): " + ", ".join(
             f"{k}=({cal.lat_scale[k]:.2f}, {cal.bw_scale[k]:.2f})" for k in cal.lat_scale))
     print(f"inputs: {described}")
-    print(table(rows))
-    fp32 = next((r for r in rows if r.strategy == "allreduce-fp32"), None)
-    line = f"fastest: {name} ({rows[0].step_ms:.1f} ms per step"
-    if fp32 is not None and name != "allreduce-fp32":
-        line += f"; {fp32.step_ms / rows[0].step_ms:.2f}x faster than allreduce-fp32"
+    # local steps last: per inner step, not comparable with the others' training steps
+    print(table([r for r in rows if not per_inner_step(r)] + [r for r in rows
+                                                              if per_inner_step(r)]))
+    fastest = next(r for r in rows if r.strategy == name)
+    fp32 = next((r for r in rows if r.strategy == "lion-allreduce"), None)
+    line = f"fastest: {name} ({fastest.step_ms:.1f} ms per step"
+    if fp32 is not None and name != fp32.strategy:
+        line += f"; {fp32.step_ms / fastest.step_ms:.2f}x faster than {fp32.strategy}"
     print(line + ")")
+    local = [r for r in rows if per_inner_step(r) and r.strategy != name]
+    if local:
+        print("not ranked: " + ", ".join(
+            f"{r.strategy} {r.step_ms:.1f} ms per inner step" for r in local)
+            + f" (local steps, a sync every {args.sync_every} inner steps: a different "
+            f"training, compare their loss too)")
     print(LEGEND)
     return 0
 

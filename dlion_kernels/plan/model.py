@@ -35,19 +35,19 @@ Strategies and their overlap (B buckets of ``bucket_mb`` MiB of fp32 gradients, 
 bucket engine count them, ready at even
 intervals during backward; one communication channel, buckets exchanged in order):
 
-- ``allreduce-fp32`` / ``allreduce-bf16``: DDP, one all-reduce per bucket started when the bucket
-  is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
+- ``lion-allreduce`` / ``lion-allreduce-bf16``: DDP, one all-reduce per bucket started when the
+  bucket is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
   aggregate, apply; nothing overlapped (SPEC §2 bytes, plus the HEADER_WORDS int32 words of the
   non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
-- ``dlion-hier-<mode>[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
+- ``dlion-<mode>-hier[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
   gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
   inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
   does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
   on all elements (on 1/L with gathered parameters).
-- ``fsdp-allreduce-fp32`` / ``-bf16`` and ``fsdp-dlion-vote[-overlap]`` (SPEC §10, L > 1):
+- ``fsdp-allreduce[-bf16]`` and ``fsdp-dlion[-overlap]`` (SPEC §10, L > 1):
   FSDP2 in nodes of L, each bucket one FSDP unit. Forward: each unit's parameter shards are
   all-gathered in the node (prefetched one unit ahead on the one channel) before its compute;
   backward: gathered again, then the unit's gradients reduce-scattered in the node (fp32; bf16
@@ -55,9 +55,9 @@ intervals during backward; one communication channel, buckets exchanged in order
   replicate groups share the node's NIC) while D-Lion votes on it (``-overlap``: per unit
   during backward; else once after backward, on all d / L local elements), with the header
   gather inside the node (8 N bytes from each of the L - 1 peers). Optimizer on d / L.
-- ``decentralized-<topology>``: per bucket, a gossip all-reduce in the step's groups, overlapping
-  a whole iteration of compute: step = max(compute + wait of the group, gossip time). Each
-  topology's schedule is averaged over its period.
+- ``decentralized-<topology>-accum-adamw``: per bucket, a gossip all-reduce in the step's
+  groups, overlapping a whole iteration of compute: step = max(compute + wait of the group,
+  gossip time). Each topology's schedule is averaged over its period.
 
 - ``diloco-dlion`` / ``diloco-nesterov`` (SPEC §11, local steps): every inner step is compute
   alone; every H / P inner steps one fragment of d / P elements syncs (H = ``sync_every``, P =
@@ -78,8 +78,12 @@ Lion): d of each (momentum d / L under ``hierarchy``), 1/L of each under FSDP2; 
 state is the inner AdamW's two moments, theta_bar and the outer momentum. The
 decentralized rows leave it None (it depends on the optimizer run in each bucket).
 
-Rows are named after the exchange they model; ``dlion_kernels/strategies.py`` names the strategy
-each one predicts (``Strategy.row``), and ``rank_strategies`` predicts named strategies.
+Every row is named by the slug of the strategy it predicts (``dlion_kernels/strategies.py``,
+whose ``Strategy.row`` says which row predicts each strategy: ``adamw-allreduce`` shares
+``lion-allreduce``'s exchange, and a topology's ``accum-lion`` and ``adamw`` strategies its
+``accum-adamw`` row); ``rank_strategies`` predicts named strategies. The ``diloco-*`` rows are
+per inner step of a different training (fewer syncs, another loss per step): ``best`` ranks them
+only among themselves.
 """
 
 from __future__ import annotations
@@ -516,7 +520,7 @@ def _dlion_row(cl, w, mode, overlap, L):
     else:
         exposed = total.ms
         step = start + w.bwd + local + exposed + apply
-    name = "dlion-" + ("hier-" if hier else "") + mode + ("-overlap" if overlap else "")
+    name = f"dlion-{mode}" + ("-hier" if hier else "") + ("-overlap" if overlap else "")
     algo = costs[0].algorithm
     return Row(name, step, w.fwd + w.bwd + local + apply, wait, total.ms, exposed, total.bytes,
                total.intra_bytes, total.inter_bytes, len(sizes), algo,
@@ -577,10 +581,10 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
     step = end + apply
     compute = w.fwd + w.bwd + opt
     if sync == "allreduce":
-        name = f"fsdp-allreduce-{'fp32' if wire_bytes == 4 else 'bf16'}"
+        name = "fsdp-allreduce" if wire_bytes == 4 else "fsdp-allreduce-bf16"
         options = {"kind": "fsdp", "sync": sync, "dtype": "fp32" if wire_bytes == 4 else "bf16"}
     else:
-        name = f"fsdp-dlion-{mode}" + ("-overlap" if overlap else "")
+        name = "fsdp-dlion" + ("-overlap" if overlap else "")  # vote: FSDP2's one mode
         options = {"kind": "fsdp", "sync": sync, "mode": mode, "votes": "binary",
                    "overlap": overlap}
     return Row(name, step, compute, wait, total.ms, step - compute - wait, total.bytes,
@@ -673,8 +677,9 @@ def _decentralized_row(cl, w, topology, gossip_bytes):
     step = max(compute + wait + total.host_ms, total.ms)
     exposed = step - (compute + wait)
     algo = "+".join(sorted({a for a in total.algorithm.split("+") if a}))
-    return Row(f"decentralized-{topology}", step, compute, wait, total.ms, exposed, total.bytes,
-               total.intra_bytes, total.inter_bytes, len(sizes), algo,
+    # accum-adamw's slug: the topology's other optimizers run the same gossip (strategies.py)
+    return Row(f"decentralized-{topology}-accum-adamw", step, compute, wait, total.ms, exposed,
+               total.bytes, total.intra_bytes, total.inter_bytes, len(sizes), algo,
                {"kind": "decentralized", "topology": topology,
                 "gossip_dtype": "fp32" if gossip_bytes == 4 else "bf16"})
 
@@ -776,7 +781,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     w = _Work(d, tensors, fwd_ms, bwd_ms, opt_ms, jitter_ms, jitter_dist,
               max(1, int(bucket_mb * 2**20 / grad_bytes)), grad_bytes, param_bytes, hier_gather)
 
-    rows = [_ddp_row(cl, w, "allreduce-fp32", 4), _ddp_row(cl, w, "allreduce-bf16", 2)]
+    rows = [_ddp_row(cl, w, "lion-allreduce", 4), _ddp_row(cl, w, "lion-allreduce-bf16", 2)]
     for mode in modes:
         for overlap in (False, True):
             rows.append(_dlion_row(cl, w, mode, overlap, 1))
@@ -800,11 +805,19 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     return rows
 
 
+def per_inner_step(row: Row) -> bool:
+    """Whether the row's times are per inner step of local-step training (``diloco-*``), which
+    syncs every H / P steps: not comparable with a training step of the other strategies."""
+    return row.options.get("kind") == "diloco"
+
+
 def best(rows: list[Row]) -> str:
-    """The strategy name of the fastest row."""
+    """The slug of the fastest row among those timed per training step; the ``diloco-*`` rows
+    (per inner step) are ranked only when no other row is given."""
     if not rows:
         raise ValueError("rows is empty: nothing to choose from")
-    return min(rows, key=lambda r: (r.step_ms, r.bytes_per_rank)).strategy
+    ranked = [r for r in rows if not per_inner_step(r)] or rows
+    return min(ranked, key=lambda r: (r.step_ms, r.bytes_per_rank)).strategy
 
 
 # ----------------------------------------------------------------------------- callers
@@ -816,9 +829,9 @@ def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
     on this cluster, fastest first. ``allowed``: slugs (None: every strategy the model
     predicts but local steps, ``diloco-*``, which change the training itself: fewer syncs, a
     different loss per step; name them to compare them); strategies that one row predicts
-    (``adamw-allreduce`` and ``lion-allreduce``) appear once, as the first of them in
-    ``allowed`` (or registry) order. ``inputs``: the rest of predict()'s keyword arguments
-    (modes, topologies and strategies follow from ``allowed``)."""
+    (``adamw-allreduce`` and ``lion-allreduce``) appear once: as the row's own slug when it is
+    allowed, else as the first of the others in ``allowed`` order. ``inputs``: the rest of
+    predict()'s keyword arguments (modes, topologies and strategies follow from ``allowed``)."""
     n = _number(ranks, "ranks", positive=True, integer=True)
     L = _number(ranks_per_node, "ranks_per_node", positive=True, integer=True)
     if allowed is None:
@@ -832,8 +845,9 @@ def rank_strategies(params, ranks, ranks_per_node=1, *, allowed=None,
         if strategy.row is None:
             raise ValueError(f"allowed: the runtime model has no row for {slug!r}; modelled: "
                              + ", ".join(s.slug for s in STRATEGIES.values() if s.row))
-        if strategy.problem(n, L) is None:
-            by_row.setdefault(strategy.row, slug)
+        if strategy.problem(n, L) is None and (strategy.row not in by_row
+                                               or slug == strategy.row):
+            by_row[strategy.row] = slug
     if not by_row:
         raise ValueError(f"allowed: none of {names} can run on {n} ranks in nodes of {L}")
     chosen = [get_strategy(slug) for slug in by_row.values()]
@@ -858,7 +872,7 @@ def choose_hierarchy(n, ranks_per_node, params, *, mode="vote", overlap=False, *
     if L == 1:
         return 1
     suffix = "-overlap" if overlap else ""
-    flat, hier = f"dlion-{mode}{suffix}", f"dlion-hier-{mode}{suffix}"
+    flat, hier = f"dlion-{mode}{suffix}", f"dlion-{mode}-hier{suffix}"
     rows = {r.strategy: r for r in predict(params, n, L, modes=(mode,), topologies=[],
                                            strategies=[flat, hier], **inputs)}
     return L if rows[hier].step_ms < rows[flat].step_ms else 1

@@ -28,10 +28,10 @@ def _rows(factors):
 
 
 def test_validate_errors_and_fastest(tmp_path):
-    rows, pred = _rows({"allreduce-fp32": 1.10, "dlion-vote": 0.80, "dlion-vote-overlap": 1.0})
+    rows, pred = _rows({"lion-allreduce": 1.10, "dlion-vote": 0.80, "dlion-vote-overlap": 1.0})
     result = bench_plan.validate(rows)
     errs = {r["strategy"]: r["error_pct"] for r in result["rows"]}
-    assert errs["allreduce-fp32"] == pytest.approx(100 * (1 / 1.1 - 1))
+    assert errs["lion-allreduce"] == pytest.approx(100 * (1 / 1.1 - 1))
     assert errs["dlion-vote"] == pytest.approx(100 * (1 / 0.8 - 1))
     assert errs["dlion-vote-overlap"] == pytest.approx(0.0, abs=1e-9)
     s = result["summary"]
@@ -39,7 +39,7 @@ def test_validate_errors_and_fastest(tmp_path):
     assert s["worst_abs_error"] == pytest.approx(0.25)
     (fast,) = result["fastest"]
     assert fast["predicted_fastest"] == min(
-        ("allreduce-fp32", "dlion-vote", "dlion-vote-overlap"), key=pred.get)
+        ("lion-allreduce", "dlion-vote", "dlion-vote-overlap"), key=pred.get)
     measured = {r["strategy"]: r["measured_ms"] for r in rows}
     assert fast["measured_fastest"] == min(measured, key=measured.get)
     assert fast["ok"] == (measured[fast["predicted_fastest"]]
@@ -55,7 +55,7 @@ def test_validate_errors_and_fastest(tmp_path):
 
 
 def test_calibration_rows_are_not_judged():
-    rows, _ = _rows({"allreduce-fp32": 1.0, "dlion-vote": 1.0})
+    rows, _ = _rows({"lion-allreduce": 1.0, "dlion-vote": 1.0})
     rows.append({**rows[0], "config": "c1-comm", "role": "calibrate", "measured_ms": 1.0})
     result = bench_plan.validate(rows)
     assert result["summary"]["validation_rows"] == 2

@@ -82,7 +82,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     ranked = plan.rank_strategies(numel, 2, 1, bucket_mb=demo.BUCKET_MB, **inputs)
     expected, row = ranked[0]
     assert expected.startswith("dlion-vote")  # 1 bit per parameter on a 50 Mbit/s link
-    assert {"adamw-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
+    assert {"lion-allreduce", "dlion-average"} <= {slug for slug, _ in ranked}
     # local steps change the training (a sync every H steps): ranked only when named
     assert not any(slug.startswith("diloco") for slug, _ in ranked)
     named = plan.rank_strategies(numel, 2, 1, allowed=["dlion-vote", "diloco-dlion"],
@@ -94,7 +94,7 @@ def test_demo_strategy_auto(tmp_path, monkeypatch, capfd):
     assert trained[0]["ranks_in_sync"]
     out = capfd.readouterr().out  # rank 0's process printed the predictions
     assert f"chosen: {expected} (the model's row {row.strategy})" in out
-    assert "| allreduce-fp32 |" in out
+    assert "| lion-allreduce |" in out
 
 
 def test_demo_cli_errors(capsys):

@@ -28,7 +28,7 @@ def test_the_two_clusters_choose_differently():
     assert choose_hierarchy(4, 2, D, **SLOW_INTER) == 2
     assert choose_hierarchy(4, 2, D, **FLAT_WINS) == 1
     rows = {r.strategy: r.step_ms for r in predict(D, 4, 2, **SLOW_INTER)}
-    assert rows["dlion-hier-vote"] < rows["dlion-vote"]
+    assert rows["dlion-vote-hier"] < rows["dlion-vote"]
 
 
 def _from_file(rank, n, path, expect_steps):

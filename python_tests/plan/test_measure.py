@@ -34,8 +34,10 @@ def test_measure_cli_under_torchrun_two_emulated_nodes(tmp_path):
     assert set(m["calibration"]["bw_scale"]) == {"all_reduce", "all_to_all", "all_gather",
                                                  "reduce_scatter"}
     names = {r["strategy"] for r in result["rows"]}
-    assert {"allreduce-fp32", "dlion-vote", "dlion-hier-vote", "decentralized-ring"} <= names
-    assert result["best"] == result["rows"][0]["strategy"]
+    assert {"lion-allreduce", "dlion-vote", "dlion-vote-hier",
+            "decentralized-ring-accum-adamw"} <= names
+    per_step = [r for r in result["rows"] if r["options"]["kind"] != "diloco"]
+    assert result["best"] == per_step[0]["strategy"]
     assert result["inputs"]["ranks"] == 4 and result["inputs"]["fwd_ms"] == m["fwd_ms"]
     # What DistributedLion(hierarchy="auto") would do with this measurement.
     from dlion_kernels.plan import choose_hierarchy, inputs_from_json, predict

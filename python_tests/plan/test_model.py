@@ -40,16 +40,16 @@ def test_ring_allreduce_fp32_hand_computed():
     # n = 4 flat, d = 1M fp32 in one bucket: 2 (n-1)/n * 4 MB = 6 MB -> 6 ms at 1 GB/s.
     rows = rows_by_name(model.predict(1_000_000, 4, **GB, **NO_COMPUTE, bucket_mb=100,
                                       algorithm="ring"))
-    r = rows["allreduce-fp32"]
+    r = rows["lion-allreduce"]
     assert r.bytes_per_rank == pytest.approx(6e6)
     assert r.inter_bytes_per_rank == pytest.approx(6e6)
     assert r.comm_ms == pytest.approx(6.0)
     assert r.exposed_comm_ms == pytest.approx(6.0) and r.step_ms == pytest.approx(6.0)
-    assert rows["allreduce-bf16"].comm_ms == pytest.approx(3.0)
+    assert rows["lion-allreduce-bf16"].comm_ms == pytest.approx(3.0)
     # Latency: 2 (n-1) ring steps of 10 us each.
     rows = rows_by_name(model.predict(1_000_000, 4, **{**GB, "latency_us": 10.0}, **NO_COMPUTE,
                                       bucket_mb=100, algorithm="ring"))
-    assert rows["allreduce-fp32"].comm_ms == pytest.approx(6.0 + 6 * 0.010)
+    assert rows["lion-allreduce"].comm_ms == pytest.approx(6.0 + 6 * 0.010)
 
 
 def test_tree_allreduce_hand_computed():
@@ -80,7 +80,7 @@ def test_dlion_bytes_are_spec_section2(n):
     assert vote.comm_ms == pytest.approx(vote.bytes_per_rank / 1e6)
     assert vote.exposed_comm_ms == vote.comm_ms
     # 1/32 of the fp32 ring all-reduce, up to the padding.
-    fp32 = rows["allreduce-fp32"]
+    fp32 = rows["lion-allreduce"]
     assert fp32.bytes_per_rank / vote.bytes_per_rank == pytest.approx(32, rel=1e-3)
 
 
@@ -99,7 +99,7 @@ def test_hierarchical_hand_computed(gather):
     d, n, L = 32 * 4 * 2 * 1000, 8, 4
     inputs = dict(inter_gbps=8.0, intra_gbps=80.0, latency_us=0.0, intra_latency_us=0.0)
     r = rows_by_name(model.predict(d, n, L, **inputs, **NO_COMPUTE, bucket_mb=1000,
-                                   topologies=[], hier_gather=gather))["dlion-hier-vote"]
+                                   topologies=[], hier_gather=gather))["dlion-vote-hier"]
     rs = (L - 1) * 4 * d / L  # reduce-scatter of fp32 gradients
     if gather == "params":
         ag = (L - 1) * 4 * d / L  # all-gather of fp32 parameter shards
@@ -137,7 +137,7 @@ def test_ddp_overlap_hides_all_but_the_last_bucket():
     # 100 ms: only the last bucket is exposed. jitter 10 uniform, n = 2: wait 20/3.
     rows = rows_by_name(model.predict(1_000_000, 2, **GB, fwd_ms=50, bwd_ms=100, opt_ms=5,
                                       jitter_ms=10, bucket_mb=1e6 / 2**20, algorithm="ring"))
-    r = rows["allreduce-fp32"]
+    r = rows["lion-allreduce"]
     assert r.buckets == 4
     assert r.comm_ms == pytest.approx(4.0)
     assert r.exposed_comm_ms == pytest.approx(1.0)
@@ -154,27 +154,28 @@ def test_decentralized_ring_hides_gossip_and_waits_for_its_pair():
     # n = 4 flat, 1M fp32 params: a pair all-reduce sends S = 4 MB per rank: 4 ms.
     rows = rows_by_name(model.predict(1_000_000, 4, **GB, fwd_ms=50, bwd_ms=100, opt_ms=5,
                                       jitter_ms=12, bucket_mb=100))
-    ring = rows["decentralized-ring"]
+    ring = rows["decentralized-ring-accum-adamw"]
     assert ring.comm_ms == pytest.approx(4.0)
     assert ring.bytes_per_rank == pytest.approx(4e6)
     assert ring.exposed_comm_ms == 0.0
     assert ring.wait_ms == pytest.approx(12 * 2 / 3)  # the pair, not all 4
     assert ring.step_ms == pytest.approx(155 + 8)
-    assert rows["decentralized-complete"].wait_ms == pytest.approx(12 * 4 / 5)
+    assert rows["decentralized-complete-accum-adamw"].wait_ms == pytest.approx(12 * 4 / 5)
     # No compute to hide behind: the step is the gossip.
     rows = rows_by_name(model.predict(1_000_000, 4, **GB, **NO_COMPUTE, bucket_mb=100))
-    assert rows["decentralized-ring"].step_ms == pytest.approx(4.0)
+    assert rows["decentralized-ring-accum-adamw"].step_ms == pytest.approx(4.0)
 
 
 def test_rows_have_every_strategy_and_are_sorted():
     rows = model.predict("124M", 32, 8, inter_gbps=25, intra_gbps=1600, latency_us=30,
                          fwd_ms=80, bwd_ms=160, jitter_ms=10)
     names = {r.strategy for r in rows}
-    assert names == {"allreduce-fp32", "allreduce-bf16", "dlion-vote", "dlion-vote-overlap",
-                     "dlion-hier-vote", "dlion-hier-vote-overlap", "decentralized-complete",
-                     "decentralized-ring", "decentralized-one-peer-exp",
-                     "decentralized-alternating-exp-ring", "fsdp-allreduce-fp32",
-                     "fsdp-allreduce-bf16", "fsdp-dlion-vote", "fsdp-dlion-vote-overlap",
+    assert names == {"lion-allreduce", "lion-allreduce-bf16", "dlion-vote", "dlion-vote-overlap",
+                     "dlion-vote-hier", "dlion-vote-hier-overlap",
+                     "decentralized-complete-accum-adamw",
+                     "decentralized-ring-accum-adamw", "decentralized-one-peer-exp-accum-adamw",
+                     "decentralized-alternating-exp-ring-accum-adamw", "fsdp-allreduce",
+                     "fsdp-allreduce-bf16", "fsdp-dlion", "fsdp-dlion-overlap",
                      "diloco-dlion", "diloco-nesterov"}
     assert [r.step_ms for r in rows] == sorted(r.step_ms for r in rows)
     assert model.best(rows) == rows[0].strategy
@@ -187,9 +188,9 @@ def test_rows_have_every_strategy_and_are_sorted():
 
 def test_topologies_that_do_not_fit_are_left_out():
     names = {r.strategy for r in model.predict("10M", 6, 2, inter_gbps=10, fwd_ms=1, bwd_ms=2)}
-    assert "decentralized-ring" in names and "decentralized-complete" in names
-    assert "decentralized-one-peer-exp" not in names  # 6 is not a power of two
-    assert "decentralized-alternating-exp-ring" not in names  # 3 nodes
+    assert {"decentralized-ring-accum-adamw", "decentralized-complete-accum-adamw"} <= names
+    assert "decentralized-one-peer-exp-accum-adamw" not in names  # 6 is not a power of two
+    assert "decentralized-alternating-exp-ring-accum-adamw" not in names  # 3 nodes
 
 
 # ----------------------------------------------------------------------------- monotonic
@@ -229,7 +230,7 @@ def test_more_jitter_never_faster(dist):
                 assert r.step_ms >= prev[name].step_ms - 1e-9, name
         prev = rows
     # A gossip pair waits less than the whole group.
-    assert prev["decentralized-ring"].wait_ms < prev["allreduce-fp32"].wait_ms
+    assert prev["decentralized-ring-accum-adamw"].wait_ms < prev["lion-allreduce"].wait_ms
 
 
 def test_more_ranks_wait_longer():
@@ -290,7 +291,8 @@ def test_cli_json_schema(capsys):
     assert main(CMD + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"rows", "best", "inputs"}
-    assert out["best"] == out["rows"][0]["strategy"]
+    per_step = [r for r in out["rows"] if r["options"]["kind"] != "diloco"]
+    assert out["best"] == per_step[0]["strategy"]
     for row in out["rows"]:
         for key, kind in [("strategy", str), ("step_ms", float), ("comm_ms", float),
                           ("exposed_comm_ms", float), ("bytes_per_rank", (int, float)),
@@ -300,10 +302,11 @@ def test_cli_json_schema(capsys):
     steps = [r["step_ms"] for r in out["rows"]]
     assert steps == sorted(steps)
     assert out["inputs"]["params"] == 124_000_000 and out["inputs"]["ranks"] == 32
-    # The Python API returns the same rows.
+    # The Python API returns the same rows; best() ranks the per-step ones.
     py = dk.plan.predict("124M", 32, 8, inter_gbps=25, intra_gbps=1600, latency_us=30,
                          fwd_ms=80, bwd_ms=160, jitter_ms=10)
     assert [r.as_dict() for r in py] == out["rows"]
+    assert dk.plan.best(py) == out["best"]
 
 
 def test_cli_table(capsys):
@@ -378,7 +381,8 @@ def test_choose_strategy():
 
 def test_rank_strategies_names_every_row_once():
     """Every row of the model predicts a named strategy; strategies one row predicts appear
-    once (the first allowed); those that cannot run on the cluster are left out."""
+    once (by the row's own slug when it is allowed); those that cannot run on the cluster are
+    left out."""
     inputs = dict(inter_gbps=10, fwd_ms=10, bwd_ms=20)
     ranked = model.rank_strategies("10M", 6, 2, **inputs)
     rows = {r.strategy for r in model.predict("10M", 6, 2, modes=("vote", "average"),
@@ -389,14 +393,19 @@ def test_rank_strategies_names_every_row_once():
                                   **inputs)
     assert {r.strategy for _, r in named} == {"diloco-dlion", "diloco-nesterov"}
     slugs = dict((r.strategy, slug) for slug, r in ranked)
-    assert slugs["allreduce-fp32"] == "adamw-allreduce"  # the first of the two in the registry
-    assert slugs["dlion-hier-average-overlap"] == "dlion-average-hier-overlap"
-    assert "decentralized-one-peer-exp" not in slugs  # 6 ranks: not a power of two
+    assert slugs["lion-allreduce"] == "lion-allreduce"  # the row's own slug, when allowed
+    assert slugs["dlion-average-hier-overlap"] == "dlion-average-hier-overlap"
+    assert "decentralized-one-peer-exp-accum-adamw" not in slugs  # 6 ranks: not a power of two
     steps = [r.step_ms for _, r in ranked]
     assert steps == sorted(steps)
     ranked = model.rank_strategies("10M", 6, 2, allowed=["lion-allreduce", "adamw-allreduce",
                                                         "dlion-vote-hier"], **inputs)
     assert sorted(slug for slug, _ in ranked) == ["dlion-vote-hier", "lion-allreduce"]
+    # a row shared by two strategies goes by its own slug when allowed, else by the other's
+    for allowed, slug in [(["adamw-allreduce", "lion-allreduce"], "lion-allreduce"),
+                          (["adamw-allreduce"], "adamw-allreduce")]:
+        ranked = model.rank_strategies("10M", 6, 2, allowed=allowed, **inputs)
+        assert [(s, r.strategy) for s, r in ranked] == [(slug, "lion-allreduce")]
     # one rank per node: the hierarchical strategy cannot run and is left out
     ranked = model.rank_strategies("10M", 6, 1, allowed=["dlion-vote", "dlion-vote-hier"],
                                    **inputs)
@@ -411,7 +420,8 @@ def test_rank_strategies_names_every_row_once():
 
 def test_one_rank_sends_nothing():
     rows = model.predict("124M", 1, **OK)
-    assert {r.strategy for r in rows} >= {"allreduce-fp32", "dlion-vote", "decentralized-ring"}
+    assert {r.strategy for r in rows} >= {"lion-allreduce", "dlion-vote",
+                                          "decentralized-ring-accum-adamw"}
     for r in rows:
         assert r.comm_ms == 0 and r.bytes_per_rank == 0 and r.wait_ms == 0
         assert r.step_ms == pytest.approx(r.compute_ms)
@@ -421,8 +431,8 @@ def test_host_work_needs_the_cores():
     # cpu_gbs = 1 GB/s: a ring all-reduce of 4 MB over n = 2 sends 4 MB and sums 2 MB: 6 ms of
     # host work; the link takes 4 ms. It overlaps the transfer but not backward.
     inputs = dict(**GB, fwd_ms=10, bwd_ms=100, opt_ms=0, bucket_mb=100, algorithm="ring")
-    free = rows_by_name(model.predict(1_000_000, 2, **inputs))["allreduce-fp32"]
-    busy = rows_by_name(model.predict(1_000_000, 2, **inputs, cpu_gbs=1.0))["allreduce-fp32"]
+    free = rows_by_name(model.predict(1_000_000, 2, **inputs))["lion-allreduce"]
+    busy = rows_by_name(model.predict(1_000_000, 2, **inputs, cpu_gbs=1.0))["lion-allreduce"]
     assert free.comm_ms == pytest.approx(4.0) and busy.comm_ms == pytest.approx(6.0)
     assert busy.exposed_comm_ms == pytest.approx(6.0)
     assert busy.step_ms == pytest.approx(10 + 100 + 6)

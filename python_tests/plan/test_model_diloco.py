@@ -52,7 +52,7 @@ def test_hand_computed(H, P):
 def test_per_step_strategies_pay_every_step():
     rows = _rows(sync_every=64)
     assert rows["diloco-nesterov"].bytes_per_rank == pytest.approx(
-        rows["allreduce-fp32"].bytes_per_rank / 64)
+        rows["lion-allreduce"].bytes_per_rank / 64)
     assert rows["diloco-dlion"].bytes_per_rank == pytest.approx(
         rows["dlion-vote"].bytes_per_rank / 64, rel=1e-3)
 
@@ -108,6 +108,30 @@ def test_choose_strategy_and_cli_consider_them(capsys):
                  "--bwd-ms", "60", "--sync-every", "32", "--fragments", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["strategy"]: r for r in out["rows"]}
-    assert out["best"] == "diloco-dlion"
+    # the fastest per inner step, but not ranked against training steps: best is per step
+    assert rows["diloco-dlion"]["step_ms"] < min(
+        r["step_ms"] for r in out["rows"] if not r["strategy"].startswith("diloco-"))
+    assert out["rows"][0]["strategy"] == "diloco-dlion"  # the rows as predict() ranks them
+    assert out["best"] == "dlion-vote-overlap"
     assert rows["diloco-nesterov"]["options"]["sync_every"] == 32
     assert rows["diloco-nesterov"]["options"]["fragments"] == 4
+    assert main(["--params", "10M", "--ranks", "8", "--inter-gbps", "0.1", "--fwd-ms", "30",
+                 "--bwd-ms", "60", "--sync-every", "32", "--fragments", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [x.split(" | ")[0].lstrip("| ") for x in lines if x.startswith("| ")][2:]
+    assert table[-2:] == ["diloco-dlion", "diloco-nesterov"]  # last: not ranked
+    assert next(x for x in lines if x.startswith("fastest: ")).startswith(
+        "fastest: dlion-vote-overlap (")
+    ranked_not = next(x for x in lines if x.startswith("not ranked: "))
+    assert "diloco-dlion" in ranked_not and "per inner step" in ranked_not
+    assert "sync every 32 inner steps" in ranked_not
+
+
+def test_best_ranks_only_per_step_rows():
+    """best() names the fastest per-step row; diloco-* rows (per inner step) only among
+    themselves."""
+    rows = model.predict("10M", 8, inter_gbps=0.1, fwd_ms=30, bwd_ms=60, sync_every=32,
+                         fragments=4)
+    assert rows[0].strategy == "diloco-dlion" and model.per_inner_step(rows[0])
+    assert model.best(rows) == next(r.strategy for r in rows if not model.per_inner_step(r))
+    assert model.best([r for r in rows if model.per_inner_step(r)]) == "diloco-dlion"

@@ -1,5 +1,5 @@
-"""The runtime model's FSDP2 rows (SPEC §10): fsdp-allreduce-fp32 / -bf16 (HSDP) and
-fsdp-dlion-vote[-overlap], their bytes inside and between nodes and their memory per rank
+"""The runtime model's FSDP2 rows (SPEC §10): fsdp-allreduce[-bf16] (HSDP) and
+fsdp-dlion[-overlap], their bytes inside and between nodes and their memory per rank
 against the formulas of SPEC §2 and §10, their times in hand-checkable cases, and the callers
 (``choose_strategy``, the CLI) that consider them."""
 
@@ -14,8 +14,8 @@ from dlion_kernels.plan.__main__ import main
 # 8 Gbit/s = 1 byte per ns: bytes / 1e6 = ms. No latency, no compute unless a test says so.
 GB = dict(inter_gbps=8.0, intra_gbps=8.0, latency_us=0.0, intra_latency_us=0.0)
 NO_COMPUTE = dict(fwd_ms=0.0, bwd_ms=0.0, opt_ms=0.0)
-FSDP = ("fsdp-allreduce-fp32", "fsdp-allreduce-bf16", "fsdp-dlion-vote",
-        "fsdp-dlion-vote-overlap")
+FSDP = ("fsdp-allreduce", "fsdp-allreduce-bf16", "fsdp-dlion",
+        "fsdp-dlion-overlap")
 
 
 def rows(d, n, L, **kw):
@@ -28,26 +28,26 @@ def test_bytes_are_spec(n, L):
     r = rows(d, n, L, bucket_mb=1000)
     gathers = 2 * (L - 1) / L * 4 * d  # fp32 parameter shards, forward and backward
     # HSDP: reduce-scatter in the node, ring all-reduce of the d / L shard among N replicas
-    for name, wire in [("fsdp-allreduce-fp32", 4), ("fsdp-allreduce-bf16", 2)]:
+    for name, wire in [("fsdp-allreduce", 4), ("fsdp-allreduce-bf16", 2)]:
         inter = 2 * (N - 1) / N * wire * d / L
         assert r[name].inter_bytes_per_rank == pytest.approx(inter)
         assert r[name].intra_bytes_per_rank == pytest.approx(gathers + (L - 1) / L * wire * d)
     # D-Lion: SPEC §2 for N voters on the d / L local elements (what hierarchy=L sends between
     # nodes), plus the header gather in the node: 8 N bytes from each of the L - 1 peers
-    for name in ("fsdp-dlion-vote", "fsdp-dlion-vote-overlap"):
+    for name in ("fsdp-dlion", "fsdp-dlion-overlap"):
         shard = shard_blocks(math.ceil(d / L / BLOCK), N)
         vote = (N - 1) * (2 * shard + HEADER_WORDS) * WORD_BYTES
         assert r[name].inter_bytes_per_rank == pytest.approx(vote)
         spec = 2 * (N - 1) / N * d / (8 * L)
         assert spec <= r[name].inter_bytes_per_rank <= spec + 2 * (N - 1) * WORD_BYTES * 2
         assert r[name].inter_bytes_per_rank == pytest.approx(
-            r["dlion-hier-vote"].inter_bytes_per_rank)
+            r["dlion-vote-hier"].inter_bytes_per_rank)
         header = (L - 1) * N * HEADER_WORDS * WORD_BYTES
         assert r[name].intra_bytes_per_rank == pytest.approx(gathers + (L - 1) / L * 4 * d
                                                              + header)
     # 1 bit against 32 between nodes, plus the header words
-    assert 30 < (r["fsdp-allreduce-fp32"].inter_bytes_per_rank
-                 / r["fsdp-dlion-vote"].inter_bytes_per_rank) <= 32
+    assert 30 < (r["fsdp-allreduce"].inter_bytes_per_rank
+                 / r["fsdp-dlion"].inter_bytes_per_rank) <= 32
 
 
 def test_memory_per_rank():
@@ -60,11 +60,11 @@ def test_memory_per_rank():
         # issue 19's target: at most 1/L of flat D-Lion's, plus 5%
         assert r[name].memory_bytes_per_rank <= 1.05 * r["dlion-vote"].memory_bytes_per_rank / L
     assert r["dlion-vote"].memory_bytes_per_rank == 12 * d
-    assert r["allreduce-fp32"].memory_bytes_per_rank == 12 * d  # DDP + Lion
-    assert r["dlion-hier-vote"].state_bytes_per_rank == 4 * d / L  # hierarchy shards momentum
-    assert r["decentralized-ring"].memory_bytes_per_rank is None
-    assert r["fsdp-dlion-vote"].as_dict()["memory_bytes_per_rank"] == 12 * d / L
-    bf16 = rows(d, n, L, param_dtype="bf16", grad_dtype="bf16")["fsdp-dlion-vote"]
+    assert r["lion-allreduce"].memory_bytes_per_rank == 12 * d  # DDP + Lion
+    assert r["dlion-vote-hier"].state_bytes_per_rank == 4 * d / L  # hierarchy shards momentum
+    assert r["decentralized-ring-accum-adamw"].memory_bytes_per_rank is None
+    assert r["fsdp-dlion"].as_dict()["memory_bytes_per_rank"] == 12 * d / L
+    bf16 = rows(d, n, L, param_dtype="bf16", grad_dtype="bf16")["fsdp-dlion"]
     assert (bf16.param_bytes_per_rank, bf16.state_bytes_per_rank) == (2 * d / L, 4 * d / L)
 
 
@@ -73,21 +73,21 @@ def test_times_hand_computed():
     the replica all-reduce of the L replicate groups shares the node's link (L streams)."""
     d, n, L = 4 * 10**6, 4, 2
     r = rows(d, n, L, bucket_mb=1000, algorithm="ring")
-    hsdp = r["fsdp-allreduce-fp32"]
+    hsdp = r["fsdp-allreduce"]
     intra = hsdp.intra_bytes_per_rank / 1e6  # one link each, 1 ms per MB
     inter = L * hsdp.inter_bytes_per_rank / 1e6
     assert hsdp.step_ms == pytest.approx(intra + inter)
     assert hsdp.comm_ms == pytest.approx(intra + inter) == hsdp.exposed_comm_ms
-    dl = r["fsdp-dlion-vote"]
+    dl = r["fsdp-dlion"]
     assert dl.step_ms == pytest.approx(dl.comm_ms)
     # much compute, many units: overlap hides the per-unit votes behind backward
     r = rows(10**8, 8, 2, bucket_mb=25, inter_gbps=1.0, intra_gbps=100.0, fwd_ms=300.0,
              bwd_ms=600.0, opt_ms=10.0)
-    assert r["fsdp-dlion-vote-overlap"].exposed_comm_ms < r["fsdp-dlion-vote"].exposed_comm_ms
-    assert r["fsdp-dlion-vote"].compute_ms == pytest.approx(300 + 600 + 10 / 2)
+    assert r["fsdp-dlion-overlap"].exposed_comm_ms < r["fsdp-dlion"].exposed_comm_ms
+    assert r["fsdp-dlion"].compute_ms == pytest.approx(300 + 600 + 10 / 2)
     # the replica sync is the difference: 1 bit against 32 at 1 Gbit/s
-    assert r["fsdp-allreduce-fp32"].step_ms > 3 * r["fsdp-dlion-vote-overlap"].step_ms
-    assert r["fsdp-allreduce-bf16"].step_ms < r["fsdp-allreduce-fp32"].step_ms
+    assert r["fsdp-allreduce"].step_ms > 3 * r["fsdp-dlion-overlap"].step_ms
+    assert r["fsdp-allreduce-bf16"].step_ms < r["fsdp-allreduce"].step_ms
 
 
 def test_only_with_nodes():
@@ -99,7 +99,7 @@ def test_choose_strategy_considers_fsdp():
     inputs = dict(inter_gbps=1.0, intra_gbps=100.0, fwd_ms=300.0, bwd_ms=600.0)
     slug, row = model.choose_strategy("100M", 8, 2, allowed=["fsdp-allreduce", "fsdp-dlion",
                                                                "fsdp-dlion-overlap"], **inputs)
-    assert (slug, row.strategy) == ("fsdp-dlion-overlap", "fsdp-dlion-vote-overlap")
+    assert (slug, row.strategy) == ("fsdp-dlion-overlap", "fsdp-dlion-overlap")
     ranked = dict(model.rank_strategies("100M", 8, 2, **inputs))
     assert {"fsdp-allreduce", "fsdp-allreduce-bf16", "fsdp-dlion",
             "fsdp-dlion-overlap"} <= set(ranked)
@@ -113,5 +113,5 @@ def test_cli_lists_fsdp_rows_with_memory(capsys):
                  "1", "--fwd-ms", "100", "--bwd-ms", "200"]) == 0
     out = capsys.readouterr().out
     assert "| mem MB |" in out
-    line = next(x for x in out.splitlines() if x.startswith("| fsdp-dlion-vote |"))
+    line = next(x for x in out.splitlines() if x.startswith("| fsdp-dlion |"))
     assert line.rstrip(" |").endswith("150.0")  # 3 x 4 bytes x 25M / 2
