@@ -242,8 +242,9 @@ def save_state(obj, directory, *, group=None) -> str:
     group: the ranks that save together, one file each. None: the whole job (the default
     group; every rank calls it). A group that lacks a rank holding the object's state (the
     replicate group of an FSDP2 mesh, the subgroup of a flat optimizer on the whole job) raises
-    ``CheckpointError`` on every rank of it before anything is written. Raises ``CheckpointError`` on every rank if any rank could not write
-    its file; the previous checkpoint in ``directory`` then stays loadable.
+    ``CheckpointError`` on every rank of it before anything is written. Raises
+    ``CheckpointError`` on every rank if any rank could not write its file; the previous
+    checkpoint in ``directory`` then stays loadable.
     """
     _check_object(obj)
     directory = os.fspath(directory)
@@ -504,6 +505,8 @@ def _prepare(obj, directory: str, rank: int, n: int):
         raise CheckpointError(f"{where}: saved with hierarchy {manifest['hierarchy']!r} on "
                               f"{n_old} ranks (sharded momentum); it loads on {n_old} ranks "
                               f"only, not {n}")
+    if "mesh" in manifest and (manifest["mesh"] is None) != (mine["mesh"] is None):
+        raise CheckpointError(f"{where}: {_mesh_problem(manifest, mine, n_old, n)}")
     for key in ("kind", "hierarchy", "topology"):
         if manifest.get(key) != mine[key]:
             raise CheckpointError(f"{where}: saved with {key} {manifest.get(key)!r}, loading "
