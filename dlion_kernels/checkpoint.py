@@ -14,11 +14,10 @@ file and rank 0 writes a manifest last:
 The checkpoint's ranks are the ranks of the job that hold the object's state, never the group
 its exchange runs in: an FSDP2 optimizer or DiLoCo votes in its replicate group, yet every rank
 of the mesh holds its own piece of the state. By default they are the whole job (the default
-group; file i is global rank i, each rank saving its own object: optimizers of different
-data-parallel groups, e.g. of pipeline stages, go into one checkpoint). ``group=`` names a
-subset of the job instead; one that lacks a rank holding the object's state (the replicate group
-of a mesh, say) is refused with ``CheckpointError`` on every rank before anything is written:
-the files of several such groups in one directory would overwrite and remove each other's.
+group; file i is global rank i). ``group=`` names a subset of the job instead; one that lacks a
+rank holding the object's state (the replicate group of a mesh, say) is refused with
+``CheckpointError`` on every rank before anything is written: the files of several such groups
+in one directory would overwrite and remove each other's.
 
 ``<tag>`` is new for every save, so a save never overwrites the files the current manifest names:
 a crash mid-save leaves the previous checkpoint (its manifest and files) loadable. Files are
@@ -147,7 +146,7 @@ def _rank_and_size(obj, group, directory):
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be None (the whole job) or a "
                         f"torch.distributed.ProcessGroup, got {type(group).__name__}")
-    if group is None:  # the job's ranks: each saves its own object (several may share none)
+    if group is None:  # the job's ranks, whatever group the object exchanges in
         return dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None
     me, holders = dist.get_rank(), _holders(obj, _mesh_record(_sharding(obj)))
     what = type(obj).__name__
