@@ -1,6 +1,7 @@
 """dk.save_state / dk.load_state on every object the library makes, on real gloo processes: flat
-DistributedLion, hierarchy=2, FSDP2 with device_mesh= and with group= (the replicate group), the
-DDP comm hook's optimizer, DiLoCo plain and on FSDP2, DecentralizedDataParallel.
+DistributedLion (on the whole job, and one on each pair of ranks), hierarchy=2, FSDP2 with
+device_mesh= and with group= (the replicate group), the DDP comm hook's optimizer, DiLoCo plain
+and on FSDP2, DecentralizedDataParallel.
 
 One 4-rank launch runs every object in turn, each in its own directory: two saves (the second
 replaces the first), then the state is changed by more training, then loaded back; every rank's
@@ -34,7 +35,7 @@ import test_diloco_fsdp as loco_fsdp  # noqa: E402
 import test_fsdp as fsdp  # noqa: E402
 
 N_RANKS = 4
-OBJECTS = ["flat", "hierarchy", "fsdp-mesh", "fsdp-group", "ddp-hook", "diloco",
+OBJECTS = ["flat", "flat-pairs", "hierarchy", "fsdp-mesh", "fsdp-group", "ddp-hook", "diloco",
            "diloco-fsdp", "decentralized"]
 
 
@@ -92,9 +93,10 @@ def _has_tensors(snap: list) -> bool:
 
 def _make(name, rank):
     """(object, train(k): k more steps, its mesh or None)."""
-    if name in ("flat", "hierarchy"):
+    if name in ("flat", "flat-pairs", "hierarchy"):
         params = flat._model()
-        opt = flat._opt(params) if name == "flat" else flat._hier_opt(params)
+        opt = (flat._opt(params) if name == "flat" else flat._hier_opt(params)
+               if name == "hierarchy" else flat._opt(params, _pairs()))  # two optimizers
         count = [0]
 
         def train(k):
@@ -198,6 +200,16 @@ def _round_trip(name, rank, root):
         out["inner_step"] = obj.inner_step
     # A group without every rank holding the state: refused on every rank, nothing written
     # (a fresh directory is not even made; the checkpoint above is not touched)
+    if name == "flat-pairs":
+        # its state lives on its pair: the pair alone may save it, into a directory of its own
+        mine = os.path.join(root, f"{name}-pair{rank // 2}")
+        dk.save_state(obj, mine, group=obj.group)
+        at_save = _snapshot(obj)
+        pair_files = sorted(os.listdir(mine))
+        train(1)
+        dk.load_state(obj, mine, group=obj.group)
+        out["pair"] = dict(files=pair_files, restored=_same_bits(at_save, _snapshot(obj)))
+        return out, obj
     before = _listing(directory)
     groups = {"subgroup": _pairs()}
     if mesh is not None:
@@ -343,9 +355,16 @@ def test_round_trip_restores_every_rank_bit_for_bit(saved, name):
 def test_a_group_without_every_state_holder_is_refused_before_writing(saved, name):
     """group= a pair of ranks ({0, 1} or {2, 3}), and on a mesh its replicate group: save and
     load raise CheckpointError on every rank; nothing is written, the checkpoint already in the
-    directory is untouched and the object unchanged. A plain optimizer alone on its rank has no
-    other holder: a pair of ranks is a group it may save with (test_checkpoint's cases)."""
+    directory is untouched and the object unchanged. An optimizer whose state lives on a pair
+    (flat-pairs) saves and loads with group= its pair, each pair into its own directory."""
     _, results = saved
+    if name == "flat-pairs":  # on a pair, the pair is a complete group: saved and restored
+        for rank, res in enumerate(results):
+            got = res[name]["pair"]
+            assert got["restored"] and len(got["files"]) == 3, (rank, got)
+            assert [f.split(".")[0] for f in got["files"] if f != "manifest.json"] == \
+                ["rank00000-of-00002", "rank00001-of-00002"], got["files"]
+        return
     for rank, res in enumerate(results):
         refused = res[name]["refused"]
         expected = {"subgroup", "replicate"} if name in ("fsdp-mesh", "fsdp-group",
