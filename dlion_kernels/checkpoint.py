@@ -1,14 +1,23 @@
 """Per-rank optimizer checkpoints: ``save_state(opt, directory)`` / ``load_state(opt, directory)``.
 
-D-Lion's momentum differs on every rank (SPEC §1), so saving rank 0's optimizer state the way one
-does with DDP silently gives every rank rank 0's momentum on resume. Here every rank writes its
-own file and rank 0 writes a manifest last:
+D-Lion's momentum differs on every rank, so saving rank 0's optimizer state the way one does
+with DDP silently gives every rank rank 0's momentum on resume. Here every rank writes its own
+file and rank 0 writes a manifest last:
 
     directory/
       rank00000-of-00004.<tag>.pt      torch.save of that rank's state dict
       ...
-      manifest.json                    format, world size, kind, hierarchy, topology, versions,
+      manifest.json                    format, world size, the job's world size and the saving
+                                       ranks, kind, hierarchy, FSDP2 mesh, topology, versions,
                                        parameter shapes, and per file its name, bytes and sha256
+
+The checkpoint's ranks are the ranks of the job that hold the object's state, never the group
+its exchange runs in: an FSDP2 optimizer or DiLoCo votes in its replicate group, yet every rank
+of the mesh holds its own piece of the state. By default they are the whole job (the default
+group; file i is global rank i). ``group=`` names a subset of the job instead; one that lacks a
+rank holding the object's state (the replicate group of a mesh, say) is refused with
+``CheckpointError`` on every rank before anything is written: the files of several such groups
+in one directory would overwrite and remove each other's.
 
 ``<tag>`` is new for every save, so a save never overwrites the files the current manifest names:
 a crash mid-save leaves the previous checkpoint (its manifest and files) loadable. Files are
@@ -30,7 +39,11 @@ the old ranks' floating-point state (momenta), accumulated in float64 in rank or
 ranks start with the same momentum; integer and other entries (step counts) are taken from old
 rank 0 and must agree on all old ranks. The mean of the momenta is the momentum of the mean
 gradient, the natural estimate when the data split changes. Resizing a checkpoint saved with a
-hierarchy (sharded momentum) or with FSDP2 parameters (docs/fsdp.md) is refused.
+hierarchy (sharded momentum) is refused. A checkpoint of FSDP2-sharded state (``DistributedLion``
+or ``DiLoCo`` over DTensor parameters) holds each rank's local shard: it loads on the same mesh
+only (the same replicas x shards and the same rank at each position); another mesh or world
+size is refused (``torch.distributed.checkpoint`` reshards a ``DistributedLion``'s momenta
+between meshes with the same number of replicas: docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -89,14 +102,67 @@ def _check_object(obj) -> None:
         )
 
 
-def _rank_and_size(obj, group):
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, 0, 1
-    if group is None:
-        group = getattr(obj, "group", None)
+def _sharding(obj):
+    """The FSDP2 layout (``exchange.sharded.Sharding``) of a ``DistributedLion`` or ``DiLoCo``
+    over DTensor parameters, else None."""
+    if isinstance(getattr(type(obj), "sharded", None), property):
+        obj.sharded  # DistributedLion makes its runtime state here (a copy starts without it)
+    return getattr(obj, "_sharding", None)
+
+
+def _mesh_record(sharding) -> dict | None:
+    """The mesh of FSDP2-sharded state as the manifest records it: replicas N, shards L and the
+    global rank at each (replica, shard) position (N lists of L)."""
+    if sharding is None:
+        return None
+    layout = sharding.mesh.mesh
+    if sharding.replicate_dim is None:
+        layout = layout.reshape(1, -1)
+    elif sharding.replicate_dim == 1:
+        layout = layout.t()
+    return dict(replicas=sharding.replicas, shards=sharding.shards, ranks=layout.tolist())
+
+
+def _holders(obj, mesh) -> list[int]:
+    """The global ranks that hold a part of ``obj``'s state: its mesh's (FSDP2), its group's
+    (None: the whole job), or this rank alone (an object without a group: a plain optimizer)."""
+    if mesh is not None:
+        return sorted(r for row in mesh["ranks"] for r in row)
+    group = getattr(obj, "group", False)
     if group is None:
         group = dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    if not isinstance(group, dist.ProcessGroup):
+        return [dist.get_rank()]
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def _rank_and_size(obj, group, directory):
+    """(group, rank in it, its size, problem): the ranks that save or load together; None: the
+    whole job. A problem (a string) is a ``group`` without every rank that holds the object's
+    state; it must reach every rank of the group before anyone raises. Raises
+    ``CheckpointError`` at once where this rank is not in ``group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1, None
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be None (the whole job) or a "
+                        f"torch.distributed.ProcessGroup, got {type(group).__name__}")
+    if group is None:  # the job's ranks, whatever group the object exchanges in
+        return dist.group.WORLD, dist.get_rank(), dist.get_world_size(), None
+    me, holders = dist.get_rank(), _holders(obj, _mesh_record(_sharding(obj)))
+    what = type(obj).__name__
+    members = dist.get_process_group_ranks(group)
+    if me not in members:
+        raise CheckpointError(f"checkpoint {directory}: rank {me} is not in group= (ranks "
+                              f"{members}); every rank of the group calls it with its own object")
+    problem = None
+    missing = sorted(set(holders) - set(members))
+    if missing:
+        problem = (f"group= has ranks {sorted(members)}, but the {what}'s state is held by ranks "
+                   f"{holders} (its exchange may run in a subgroup, such as an FSDP2 mesh's "
+                   f"replicate group): ranks {missing} would be left out of the checkpoint, or "
+                   "write theirs over it. Pass group=None (the whole job) or a group with all "
+                   "of them")
+    return group, dist.get_rank(group), dist.get_world_size(group), problem
 
 
 def _call(directory, what: str, name: str, fn, *args, **kwargs) -> None:
@@ -127,7 +193,8 @@ def _broadcast_object(values: list, group, directory, name: str) -> None:
 def _describe(obj) -> dict:
     """What must match between the saving and the loading object: its class, the hierarchy L
     (``DistributedLion.ranks_per_node``; None when flat), the gossip topology's name
-    (``DecentralizedDataParallel.topology``, a ``Topology``) and the parameter shapes."""
+    (``DecentralizedDataParallel.topology``, a ``Topology``), the FSDP2 mesh (``_mesh_record``;
+    None for plain tensors) and the parameter shapes."""
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     ranks_per_node = getattr(obj, "ranks_per_node", 1)
     topology = getattr(obj, "topology", None)
@@ -136,7 +203,8 @@ def _describe(obj) -> dict:
     if isinstance(getattr(obj, "param_groups", None), list):
         shapes = [[list(p.shape) for p in g["params"]] for g in obj.param_groups]
     return dict(kind=kind, hierarchy=ranks_per_node if ranks_per_node > 1 else None,
-                topology=None if topology is None else str(topology), param_shapes=shapes)
+                topology=None if topology is None else str(topology),
+                mesh=_mesh_record(_sharding(obj)), param_shapes=shapes)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -165,22 +233,30 @@ def _fsync_dir(directory: str) -> None:
 
 
 def save_state(obj, directory, *, group=None) -> str:
-    """Save this rank's optimizer state of ``obj`` (a ``DistributedLion`` or any optimizer, or an
-    object with ``optimizer_state_dict()``, e.g. ``DecentralizedDataParallel``) into
-    ``directory``; every rank of the group must call it. Returns the manifest's path.
+    """Save this rank's state of ``obj`` into ``directory``: any object the library makes
+    (``DistributedLion`` on every path, ``DiLoCo``, ``DecentralizedDataParallel``), any torch
+    optimizer, or an object with ``optimizer_state_dict()``. Every rank of the group calls it
+    with its own object. Returns the manifest's path.
 
-    group: the ranks that save together; None: ``obj.group`` if set, else the default group (a
-    single process without one). Raises ``CheckpointError`` on every rank if any rank could not
-    write its file; the previous checkpoint in ``directory`` then stays loadable.
+    group: the ranks that save together, one file each. None: the whole job (the default
+    group; every rank calls it). A group that lacks a rank holding the object's state (the
+    replicate group of an FSDP2 mesh, the subgroup of a flat optimizer on the whole job) raises
+    ``CheckpointError`` on every rank of it before anything is written. Raises
+    ``CheckpointError`` on every rank if any rank could not write its file; the previous
+    checkpoint in ``directory`` then stays loadable.
     """
     _check_object(obj)
     directory = os.fspath(directory)
-    group, rank, n = _rank_and_size(obj, group)
-    # One tag per save, the same on every rank: rank 0's, spread with the file records below.
-    tag = [f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"]
-    if n > 1:
-        _broadcast_object(tag, group, directory, "tag")
-    tag = tag[0]
+    group, rank, n, problem = _rank_and_size(obj, group, directory)
+    # One tag per save, the same on every rank: rank 0's. The same gather tells every rank
+    # whether any refuses the group, before anything is written.
+    tag = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
+    first = _all_gather_object((tag, problem), group, n, directory, "save", "tag and checks")
+    tag = first[0][0]
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(first) if p is not None]
+    if problems:
+        raise CheckpointError(f"checkpoint {directory} not saved (nothing written): "
+                              + "; ".join(problems))
     name = f"rank{rank:05d}-of-{n:05d}.{tag}.pt"
     try:
         os.makedirs(directory, exist_ok=True)
@@ -200,6 +276,9 @@ def save_state(obj, directory, *, group=None) -> str:
             if errors:
                 raise CheckpointError("; ".join(errors))
             manifest = dict(format=FORMAT, format_version=FORMAT_VERSION, world_size=n,
+                            job_world_size=dist.get_world_size() if group is not None else 1,
+                            ranks=(dist.get_process_group_ranks(group) if group is not None
+                                   else [0]),
                             library_version=__version__, torch_version=torch.__version__,
                             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tag=tag,
                             **_describe(obj), files=records)
@@ -375,6 +454,44 @@ def _has_dtensor(state) -> bool:
         is_dtensor(v) for s in per_param.values() if isinstance(s, dict) for v in s.values())
 
 
+def _mesh_text(mesh) -> str:
+    if mesh is None:
+        return "plain (unsharded) parameters"
+    return (f"an FSDP2 mesh of {mesh['replicas']} replicas x {mesh['shards']} shards (ranks "
+            f"{mesh['ranks']})")
+
+
+def _mesh_problem(manifest: dict, mine: dict, n_old: int, n: int) -> str | None:
+    """Why FSDP2-sharded state cannot load here (None: it can): each rank's file holds its own
+    local shards, so it loads on the same mesh only, each rank at the position it saved from."""
+    saved, mesh = manifest.get("mesh"), mine["mesh"]
+    if saved is None and mesh is None:
+        return None
+    if saved is not None and n_old != n:
+        return (f"saved on {n_old} ranks with FSDP2 parameters ({_mesh_text(saved)}): each rank's "
+                f"file holds its local shards, so it loads on that mesh only, not on {n} ranks "
+                f"({_mesh_text(mesh)}); torch.distributed.checkpoint reshards a DistributedLion's "
+                "momenta onto a mesh with the same number of replicas (docs/fsdp.md)")
+    if saved != mesh:
+        return (f"saved with {_mesh_text(saved)}, loading into {_mesh_text(mesh)}: a checkpoint "
+                "of FSDP2-sharded state loads on the same mesh only (the same replicas x shards "
+                "and the same rank at each position); torch.distributed.checkpoint reshards a "
+                "DistributedLion's momenta onto a mesh with the same number of replicas "
+                "(docs/fsdp.md)")
+    return None
+
+
+def _check_own(obj, state, where: str) -> None:
+    """The object's own check of a state, where it has one that changes nothing (``DiLoCo``):
+    a state it would refuse is refused here, before the ranks agree, not by one rank after."""
+    check = getattr(obj, "_check_state", None)
+    if callable(check):
+        try:
+            check(state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: {e}") from e
+
+
 def _prepare(obj, directory: str, rank: int, n: int):
     """Read and check everything this rank needs; return (state to load, manifest). Changes
     nothing."""
@@ -387,6 +504,8 @@ def _prepare(obj, directory: str, rank: int, n: int):
         raise CheckpointError(f"{where}: saved with hierarchy {manifest['hierarchy']!r} on "
                               f"{n_old} ranks (sharded momentum); it loads on {n_old} ranks "
                               f"only, not {n}")
+    if "mesh" in manifest and (manifest["mesh"] is None) != (mine["mesh"] is None):
+        raise CheckpointError(f"{where}: {_mesh_problem(manifest, mine, n_old, n)}")
     for key in ("kind", "hierarchy", "topology"):
         if manifest.get(key) != mine[key]:
             raise CheckpointError(f"{where}: saved with {key} {manifest.get(key)!r}, loading "
@@ -394,10 +513,20 @@ def _prepare(obj, directory: str, rank: int, n: int):
     if mine["param_shapes"] is not None and manifest.get("param_shapes") != mine["param_shapes"]:
         raise CheckpointError(f"{where}: parameter shapes differ: saved "
                               f"{manifest.get('param_shapes')}, optimizer {mine['param_shapes']}")
+    mesh_problem = _mesh_problem(manifest, mine, n_old, n) if "mesh" in manifest else None
     if n_old == n:
         state = _read_rank_file(directory, files[rank])
-        _check_fits(obj, state, os.path.join(directory, files[rank]["file"]))
+        where_file = os.path.join(directory, files[rank]["file"])
+        try:
+            _check_fits(obj, state, where_file)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; {mesh_problem}" if mesh_problem else str(e)) from None
+        if mesh_problem:
+            raise CheckpointError(f"{where}: {mesh_problem}")
+        _check_own(obj, state, where_file)
         return state, manifest
+    if mesh_problem:
+        raise CheckpointError(f"{where}: {mesh_problem}")
     first = _read_rank_file(directory, files[0])
     if _has_dtensor(first):
         raise CheckpointError(f"{where}: saved on {n_old} ranks with FSDP2 parameters (a "
@@ -410,13 +539,16 @@ def _prepare(obj, directory: str, rank: int, n: int):
                           os.path.join(directory, record["file"]), "state")
     state = _finish_mean(acc, first, n_old)
     _check_fits(obj, state, os.path.join(directory, files[0]["file"]))
+    _check_own(obj, state, where)
     return state, manifest
 
 
 def load_state(obj, directory, *, group=None) -> dict:
     """Load the state ``save_state`` wrote into ``obj``, on every rank of the group (all call
-    it). Same world size: each rank gets its own state back, bit for bit. Different world size:
-    every rank gets the mean of the old ranks' momenta (module docstring). Returns the manifest.
+    it; ``group`` as for ``save_state``). Same world size: each rank gets its own state back, bit
+    for bit. Different world size: every rank gets the mean of the old ranks' momenta (module
+    docstring); refused for a hierarchy's sharded momentum and for FSDP2-sharded state, which
+    loads on the same mesh only. Returns the manifest.
 
     Every rank first checks the manifest, the sizes and sha256 of the files it reads, and that the
     state fits ``obj``; if any rank finds a problem, every rank raises ``CheckpointError`` naming
@@ -424,10 +556,11 @@ def load_state(obj, directory, *, group=None) -> dict:
     """
     _check_object(obj)
     directory = os.fspath(directory)
-    group, rank, n = _rank_and_size(obj, group)
-    state, manifest, problem = None, None, None
+    group, rank, n, problem = _rank_and_size(obj, group, directory)
+    state, manifest = None, None
     try:
-        state, manifest = _prepare(obj, directory, rank, n)
+        if problem is None:
+            state, manifest = _prepare(obj, directory, rank, n)
     except CheckpointError as e:
         problem = f"rank {rank}: {e}"
     except Exception as e:  # anything else must not leave the other ranks waiting
