@@ -171,8 +171,10 @@ class SparseLoCoOptions:
 def check(outer: str, options, votes: str, sharded: bool):
     """The options as a dataclass (None: none), after checking they fit ``outer``; ValueError or
     TypeError naming ``outer_options`` otherwise."""
+    if options is None and outer != "sparseloco":
+        return None
     if options is None:
-        return SparseLoCoOptions() if outer == "sparseloco" else None
+        options = SparseLoCoOptions()
     kind = {"dlion": DLionOuterOptions, "sparseloco": SparseLoCoOptions}.get(outer)
     if kind is None:
         raise ValueError(f"outer_options applies to outer='dlion' or 'sparseloco', not "
