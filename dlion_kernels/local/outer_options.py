@@ -487,7 +487,7 @@ class _SparseSync:
         dl, fragment = self.runner.diloco, self.fragment
         kept, total, size = self.runner.layouts[fragment.index]
         rows = self.gathered.view(self.n, size)
-        headers = rows[:, :_HEADER_BYTES].contiguous().view(torch.int32).view(self.n, HEADER_WORDS)
+        headers = rows[:, :_HEADER_BYTES].clone().view(torch.int32).view(self.n, HEADER_WORDS)
         if agree is not None:
             headers = agree(headers.unsqueeze(0)).reshape(-1, HEADER_WORDS)
         skipped = decide(headers)
@@ -519,9 +519,9 @@ class _SparseSync:
         for r in range(self.n):
             row = rows[r]
             at = _HEADER_BYTES
-            levels = row[at: at + 8 * T].contiguous().view(torch.float32).view(T, 2)
+            levels = row[at: at + 8 * T].clone().view(torch.float32).view(T, 2)
             at += 8 * T
-            runs = row[at: at + 2 * total].contiguous().view(torch.int16).to(torch.int64)
+            runs = row[at: at + 2 * total].clone().view(torch.int16).to(torch.int64)
             at += 2 * total
             codes = _unpack_codes(row[at:], total)
             dense = torch.zeros_like(self.acc)
