@@ -13,29 +13,33 @@ Rank i has its pseudo-gradient d_i = theta_bar - theta_i (fp32), its outer momen
 ``error_feedback``, its residual e_i (fp32, zeros at first). With b1, b2 = ``outer_betas``,
 lr = ``outer_lr``, wd = ``outer_weight_decay``:
 
-    p_i = b1 m_i + (1 - b1) d_i  (+ e_i with error_feedback)    what rank i asks theta_bar to move
-    v_i = vote(p_i)               binary: +1 where p > 0, else -1; ternary: sign(p), and with
+    p_i = d_i + e_i  with error_feedback, else d_i      what rank i asks theta_bar to move
+    c_i = b1 m_i + (1 - b1) p_i
+    v_i = vote(c_i)               binary: +1 where c > 0, else -1; ternary: sign(c), and with
                                   threshold tau > 0 an element abstains (0) where
-                                  |p| < tau * mean|p| over its tensor on this rank
+                                  |c| < tau * mean|c| over its tensor on this rank
     D   = aggregate(v_1 .. v_n)   the exchange's vote or average (mode, votes), as without options
     s_k = (mean|p_1| + .. + mean|p_n|) / n over tensor k, with ``scale`` (summed in rank order);
           1 without
     u   = s_k D                   per element of tensor k
     theta_bar = theta_bar - lr (u + wd theta_bar)
     e_i = p_i - lr u              with error_feedback: the applied step, in pseudo-gradient units
-    m_i = b2 m_i + (1 - b2) d_i
+    m_i = b2 m_i + (1 - b2) p_i
 
-A pseudo-gradient is a displacement (theta_bar - theta_i), and the step theta_bar takes is the
+That is D-Lion's outer step with p_i in place of d_i, and the step scaled per tensor. A
+pseudo-gradient is a displacement (theta_bar - theta_i), and the step theta_bar takes is the
 displacement lr s_k D, so e_i is what rank i asked for and theta_bar did not move: it is measured
-against the aggregate applied on every rank, not against the rank's own vote. Summed over ranks,
-mean_i e_i after a sync is mean_i p_i minus the step applied, so over syncs the applied steps add
-up to the sum of the ranks' mean p (the momentum-mixed pseudo-gradients) minus a residual that
-error feedback keeps bounded: a vote that rounds an element the wrong way, or a tie, is paid back
-at later syncs. Without ``scale`` a sign step moves every element by lr, so with error feedback lr
-must be of the order of |d| (as for the plain step); with ``scale`` the step has the mean magnitude
-of the ranks' p per tensor, and lr is a fraction of 1 (as Nesterov's).
+against the aggregate applied on every rank, not against the rank's own vote. Averaged over
+ranks, mean_i e_i after a sync is mean_i (d_i + e_i) minus the step applied, so over syncs the
+applied steps add up to the sum of the mean pseudo-gradients minus the current mean residual: a
+vote that rounds an element the wrong way, a tie or an abstention is paid back at later syncs,
+as long as the steps can keep up (lr s_k at least about the typical |d| per sync). Without
+``scale`` a sign step moves every element by lr, so lr must be of the order of |d| per sync (as
+for the plain step); with ``scale`` the step has the ranks' mean |p| per tensor, and lr is about
+1 (lr = 1 with ``mode="average"`` and unanimous votes is the plain mean of the pseudo-gradients'
+magnitudes).
 
-How it runs: p_i (and the threshold) are cheap elementwise torch operations; the votes, the two
+How it runs: p_i, c_i (and the threshold) are cheap elementwise torch operations; the votes, the two
 collectives, the tally and the decode of D are the exchange's fused stages
 (``exchange/pipeline.py`` ``Exchange``), applied with lr 1 and no momentum to a zero buffer, which
 then holds -D. The scale is one ``all_gather`` of T fp32 words (T = tensors of the fragment),
@@ -48,8 +52,8 @@ whose wire is 2 bits each way for vote, so twice vote/binary's), plus 4 T (n-1) 
 Error feedback and the threshold add nothing on the wire.
 
 Memory per rank: theta_bar and m (8 bytes per element, as without options), plus e (4 bytes per
-element) with error feedback; at a sync, p, the zero buffer and a scratch momentum (4 bytes each
-per element of the syncing fragment) while the exchange runs.
+element) with error feedback; at a sync, p (with error feedback), c, the zero buffer and a
+scratch momentum (4 bytes each per element of the syncing fragment) while the exchange runs.
 
 SparseLoCo (``outer="sparseloco"``; Sarfi et al., arXiv 2508.15706), the baseline
 ----------------------------------------------------------------------------------
@@ -275,26 +279,23 @@ class DLionOptions(_Runner):
     def start(self, fragment, grad: torch.Tensor, step: int):
         dl = self.diloco
         b1 = dl.outer_betas[0]
-        p = fragment.momentum * b1
-        p += grad * (1.0 - b1)
         e = self.residual[fragment.index]
-        if e is not None:
-            p += e
-        vote_input = p
+        p = grad + e if e is not None else grad
+        c = fragment.momentum * b1
+        c += p * (1.0 - b1)
         if self.options.threshold > 0:
-            vote_input = torch.empty_like(p)
-            for src, dst in zip(fragment.views(p), fragment.views(vote_input)):
-                bound = src.abs().mean() * self.options.threshold
-                torch.where(src.abs() >= bound, src, torch.zeros_like(src), out=dst)
-        return _DLionSync(self, fragment, grad, p, vote_input, step)
+            for view in fragment.views(c):
+                bound = view.abs().mean() * self.options.threshold
+                view.masked_fill_(view.abs() < bound, 0.0)
+        return _DLionSync(self, fragment, p, c, step)
 
 
 class _DLionSync:
     """One sync with options: the exchange and the scales' gather in flight, then the apply."""
 
-    def __init__(self, runner: DLionOptions, fragment, grad, p, vote_input, step):
+    def __init__(self, runner: DLionOptions, fragment, p, vote_input, step):
         dl = runner.diloco
-        self.runner, self.fragment, self.grad, self.p, self.step = runner, fragment, grad, p, step
+        self.runner, self.fragment, self.p, self.step = runner, fragment, p, step
         self.zero = torch.zeros_like(p)  # becomes -D
         scratch = torch.zeros_like(p)
         ex = Exchange(device=p.device, mode=dl.mode, votes=dl.votes, group=dl.group,
@@ -358,7 +359,7 @@ class _DLionSync:
             torch.sub(self.p, u * lr, out=e)
         b2 = dl.outer_betas[1]
         fragment.momentum.mul_(b2)
-        fragment.momentum.add_(self.grad * (1.0 - b2))
+        fragment.momentum.add_(self.p * (1.0 - b2))
 
 
 # ----------------------------------------------------------------------------- SparseLoCo

@@ -117,22 +117,20 @@ def reference(before, idx, n, opts, mode="vote", votes="binary", outer_lr=0.0, w
     pseudo-gradient, momentum and residual): (theta_bar, [momenta], [residuals]) per rank."""
     b1, b2 = betas
     theta = [before[0][1][i] for i in idx]
-    ps, ds = [], []
+    ps, cs = [], []
     for r in range(n):
         params, _, moms, res = before[r]
         d = [theta[k] - params[i] for k, i in enumerate(idx)]
-        p = [moms[i] * b1 + d[k] * (1.0 - b1) for k, i in enumerate(idx)]
-        if opts.error_feedback:
-            p = [x + res[i] for x, i in zip(p, idx)]
-        ds.append(d)
+        p = [x + res[i] for x, i in zip(d, idx)] if opts.error_feedback else d
+        cs.append([moms[i] * b1 + p[k] * (1.0 - b1) for k, i in enumerate(idx)])
         ps.append(p)
     votes_of = []
-    for p in ps:
+    for c in cs:
         if votes == "binary":
-            votes_of.append([torch.where(x > 0, 1.0, -1.0) for x in p])
+            votes_of.append([torch.where(x > 0, 1.0, -1.0) for x in c])
         else:
             v = []
-            for x in p:
+            for x in c:
                 keep = x.abs() >= x.abs().mean() * opts.threshold if opts.threshold else \
                     torch.ones_like(x, dtype=torch.bool)
                 v.append(torch.where(keep, torch.sign(x), 0.0))
@@ -149,7 +147,7 @@ def reference(before, idx, n, opts, mode="vote", votes="binary", outer_lr=0.0, w
         out_theta.append(theta[k] - (D + theta[k] * wd) * outer_lr)
         for r in range(n):
             out_e[r].append(ps[r][k] - D * outer_lr)
-            out_m[r].append(before[r][2][i] * b2 + ds[r][k] * (1.0 - b2))
+            out_m[r].append(before[r][2][i] * b2 + ps[r][k] * (1.0 - b2))
     return out_theta, out_m, out_e
 
 
