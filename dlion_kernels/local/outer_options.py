@@ -81,7 +81,8 @@ the paper's density (k / C = 64 / 4096) that is about 18/64 = 0.28 bit per eleme
 an all_gather grows with n where the D-Lion exchange's 2 (n-1)/n d/8 does not.
 
 Memory per rank: theta_bar and a_i (8 bytes per element); at a sync the new accumulator, this
-rank's sent values and the decoded mean (4 bytes each per element of the fragment).
+rank's sent values, the sum of the decoded values and one rank's decoded values (4 bytes each
+per element of the fragment).
 
 Neither option set runs on an FSDP2-sharded model (``device_mesh=``): refused at construction.
 """
