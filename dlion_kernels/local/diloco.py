@@ -16,7 +16,9 @@ d_i = theta_bar - theta_i in fp32 and:
                       SGD(nesterov=True)'s operations: u = mu u + d ;  theta_bar -= lr (d + mu u)
 
 then theta_i = theta_bar on every rank. The inner optimizer's state is left as it is. Between syncs
-``step()`` sends nothing and changes nothing.
+``step()`` sends nothing and changes nothing. ``outer_options`` (error feedback, a per-tensor scale,
+thresholded ternary votes for "dlion") and ``outer="sparseloco"`` (the SparseLoCo baseline) run
+their outer step from ``outer_options.py`` at the same points, through the same hooks.
 
 Fragments (``fragments=P``, Streaming DiLoCo, arXiv 2501.18512): the trainable parameters are cut
 into P contiguous runs (``fragments.py``: whole tensors, about equal sizes); each has its own

@@ -377,3 +377,24 @@ def test_fsdp_mesh_is_refused():
         outer_options.check("dlion", DLionOuterOptions(error_feedback=True), "binary", True)
     with pytest.raises(ValueError, match="FSDP2"):
         outer_options.check("sparseloco", None, "binary", True)
+
+
+@pytest.mark.parametrize("outer, opts", [
+    ("dlion", DLionOuterOptions(error_feedback=True, scale=True)),
+    ("sparseloco", SparseLoCoOptions(chunk=16, topk=3))])
+def test_save_state_round_trip_carries_the_option_state(tmp_path, outer, opts):
+    import dlion_kernels as dk
+
+    model, inner, diloco = _single(outer=outer, outer_options=opts, outer_lr=0.5)
+    for t in range(1, 6):
+        _inner_step(model, inner, 0, t)
+        diloco.step()
+    dk.save_state(diloco, str(tmp_path))
+    _, _, fresh = _single(outer=outer, outer_options=opts, outer_lr=0.5)
+    dk.load_state(fresh, str(tmp_path))
+    a, b = diloco.state_dict(), fresh.state_dict()
+    assert a["inner_step"] == b["inner_step"] == 5
+    for key in ("theta_bar", "momentum"):
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
+    for x, y in zip(a["outer_options"]["residual"], b["outer_options"]["residual"]):
+        assert (x is None and y is None) or torch.equal(x, y)
