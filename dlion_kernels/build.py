@@ -52,6 +52,9 @@ class Settings:
     fragments: int = 1  # DiLoCo's P (Streaming DiLoCo's fragments; H a multiple of P)
     diloco_dlion_lr: float | None = None  # diloco-dlion's outer lr (None: DiLoCo's default)
     diloco_nesterov_lr: float | None = None  # diloco-nesterov's outer lr (None: DiLoCo's)
+    # diloco-dlion-ef-scale's outer lr (a scaled step: a fraction of 1) and diloco-sparseloco's
+    diloco_scaled_lr: float = 1.0
+    diloco_sparseloco_lr: float | None = None  # None: DiLoCo's default for SparseLoCo (1.0)
 
     def __post_init__(self):
         # the rest is checked by the optimizers and wrappers that take it
@@ -489,9 +492,13 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
         intra = _fsdp_bytes(units, model, L, n // L, 4, False)[0]
         kw["device_mesh"] = mesh
     inner = torch.optim.AdamW(model.parameters(), lr=s.adamw_lr, weight_decay=s.weight_decay)
-    lr = s.diloco_dlion_lr if o["outer"] == "dlion" else s.diloco_nesterov_lr
+    lr = {"dlion": s.diloco_dlion_lr, "nesterov": s.diloco_nesterov_lr,
+          "sparseloco": s.diloco_sparseloco_lr}[o["outer"]]
     if o["outer"] == "dlion":
         kw.update(mode=o["mode"], backend=s.backend)
+    if o.get("error_feedback") or o.get("scale"):  # DLionOuterOptions
+        kw["outer_options"] = dict(error_feedback=o["error_feedback"], scale=o["scale"])
+        lr = s.diloco_scaled_lr if o["scale"] else lr
     diloco = DiLoCo(model, inner, s.sync_every, o["outer"], outer_lr=lr,
                     fragments=s.fragments, **kw)
     last, applied = [0], [None]
@@ -519,8 +526,10 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
                 torch._foreach_copy_(params, saved)
 
     source = "SyncStats + formula (FSDP2)" if o.get("fsdp") else "SyncStats"
-    def outer_state():  # theta_bar and the outer momenta, fp32
-        return 4 * sum(t.numel() for t in diloco.theta_bar + diloco.outer_momenta)
+    def outer_state():  # theta_bar, the outer momenta and error feedback's residuals, fp32
+        residuals = getattr(diloco._options, "residual", None) or []
+        return 4 * (sum(t.numel() for t in diloco.theta_bar + diloco.outer_momenta)
+                    + sum(r.numel() for r in residuals if r is not None))
 
     return Built(strategy, model, model, inner, sent, source, after_step=after_step,
                  evaluation=synced, extra_state=outer_state)

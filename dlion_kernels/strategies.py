@@ -21,7 +21,10 @@ lowercase and dash-separated, family first, then what sets it apart:
 - ``diloco-dlion``, ``diloco-nesterov``: ``DiLoCo`` (local AdamW steps, an outer step every H =
   ``Settings.sync_every`` inner steps in ``Settings.fragments`` fragments) with D-Lion's vote or
   DiLoCo's fp32 Nesterov as the outer step; ``diloco-dlion-fsdp``, ``diloco-nesterov-fsdp``:
-  the same on a model sharded as ``fsdp-dlion`` (DiLoCo on the local shards, ``device_mesh=``)
+  the same on a model sharded as ``fsdp-dlion`` (DiLoCo on the local shards, ``device_mesh=``);
+  ``diloco-dlion-ef`` adds error feedback to D-Lion's outer step and ``diloco-dlion-ef-scale``
+  also a per-tensor scale (``DLionOuterOptions``); ``diloco-sparseloco`` is the SparseLoCo
+  baseline (top-k per run, 2-bit values, error feedback; ``outer="sparseloco"``)
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
 builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
@@ -131,6 +134,14 @@ def _entries():
               outer="dlion", mode="vote")
     yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
               "diloco-nesterov", outer="nesterov")
+    # D-Lion's outer step with options (local/outer_options.py), and the SparseLoCo baseline
+    yield add("diloco-dlion-ef", "DiLoCo, D-Lion vote outer step + error feedback", "diloco",
+              "adamw", None, outer="dlion", mode="vote", error_feedback=True, scale=False)
+    yield add("diloco-dlion-ef-scale", "DiLoCo, D-Lion vote outer step + error feedback + scale",
+              "diloco", "adamw", None, outer="dlion", mode="vote", error_feedback=True,
+              scale=True)
+    yield add("diloco-sparseloco", "DiLoCo, SparseLoCo outer step (top-k, 2-bit)", "diloco",
+              "adamw", None, outer="sparseloco")
     # ... on an FSDP2-sharded model: DiLoCo on the local shards, the outer step between replicas
     yield add("diloco-dlion-fsdp", "FSDP2 + DiLoCo, D-Lion vote outer step", "diloco", "adamw",
               None, nodes=True, outer="dlion", mode="vote", fsdp=True)

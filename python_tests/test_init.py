@@ -64,7 +64,7 @@ def test_import_loads_nothing_heavy():
 
 
 def test_public_names():
-    assert dk.__all__ == sorted(dk._PUBLIC) and len(dk.__all__) == 18
+    assert dk.__all__ == sorted(dk._PUBLIC) and len(dk.__all__) == 20
     listed = dir(dk)
     for name in dk.__all__:
         value = getattr(dk, name)

@@ -63,6 +63,10 @@ def add_common_args(ap: argparse.ArgumentParser, task: str, default_strategies, 
                     help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
     ap.add_argument("--diloco-nesterov-lr", type=float, default=None,
                     help="diloco-nesterov's outer lr (default: DiLoCo's, 0.7)")
+    ap.add_argument("--diloco-scaled-lr", type=float, default=1.0,
+                    help="diloco-dlion-ef-scale's outer lr (default 1.0)")
+    ap.add_argument("--diloco-sparseloco-lr", type=float, default=None,
+                    help="diloco-sparseloco's outer lr (default: DiLoCo's, 1.0)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -103,7 +107,9 @@ def settings(args, n: int, bucket_mb: float) -> Settings:
                     accum_steps=args.accum_steps, bucket_mb=bucket_mb,
                     ranks_per_node=ranks_per_node(args, n), sync_every=args.sync_every,
                     fragments=args.fragments, diloco_dlion_lr=args.diloco_dlion_lr,
-                    diloco_nesterov_lr=args.diloco_nesterov_lr)
+                    diloco_nesterov_lr=args.diloco_nesterov_lr,
+                    diloco_scaled_lr=args.diloco_scaled_lr,
+                    diloco_sparseloco_lr=args.diloco_sparseloco_lr)
 
 
 def strategy_names(args, n: int) -> tuple[list[str], list[tuple[str, str]]]:

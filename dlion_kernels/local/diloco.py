@@ -16,7 +16,9 @@ d_i = theta_bar - theta_i in fp32 and:
                       SGD(nesterov=True)'s operations: u = mu u + d ;  theta_bar -= lr (d + mu u)
 
 then theta_i = theta_bar on every rank. The inner optimizer's state is left as it is. Between syncs
-``step()`` sends nothing and changes nothing.
+``step()`` sends nothing and changes nothing. ``outer_options`` (error feedback, a per-tensor scale,
+thresholded ternary votes for "dlion") and ``outer="sparseloco"`` (the SparseLoCo baseline) run
+their outer step from ``outer_options.py`` at the same points, through the same hooks.
 
 Fragments (``fragments=P``, Streaming DiLoCo, arXiv 2501.18512): the trainable parameters are cut
 into P contiguous runs (``fragments.py``: whole tensors, about equal sizes); each has its own
@@ -89,10 +91,12 @@ from ..exchange.pipeline import (
 )
 from ..kernels.layout import block_offsets
 from . import fragments as frag
+from . import outer_options as options_
 
-OUTERS = ("dlion", "nesterov")
+OUTERS = ("dlion", "nesterov", "sparseloco")
 # Nesterov: DiLoCo's values. D-Lion: see the docs (docs/diloco.md, "Choosing outer_lr").
-DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7}
+# SparseLoCo: a plain step on the mean of the sparse contributions (outer_options.py)
+DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7, "sparseloco": 1.0}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 DIGESTS = "all_gather(parameter digests)"
@@ -198,7 +202,13 @@ class DiLoCo:
         and ``dk.AccumLion`` included) holding every trainable one. Call ``diloco.step()`` after
         each ``inner_optimizer.step()``; nothing else is sent between syncs.
     sync_every: H, inner steps between two syncs of a fragment (a multiple of ``fragments``).
-    outer: "dlion" (1-bit vote, per-rank outer momentum) or "nesterov" (DiLoCo's fp32 all-reduce).
+    outer: "dlion" (1-bit vote, per-rank outer momentum), "nesterov" (DiLoCo's fp32 all-reduce)
+        or "sparseloco" (the SparseLoCo baseline: top-k, 2-bit values, error feedback;
+        ``outer_options.py``).
+    outer_options: None (the plain outer step), or for "dlion" a ``DLionOuterOptions`` (error
+        feedback, a per-tensor scale, thresholded ternary votes), for "sparseloco" a
+        ``SparseLoCoOptions``; a dict of their fields works too (``outer_options.py``: the
+        rules, bytes and memory of each).
     outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's); 1e-2 for D-Lion, whose sign step
         moves every element by outer_lr per sync: about 0.4 x inner lr x H was best in a sweep
         (docs/diloco.md, "Choosing outer_lr"), so scale it with your inner lr and H.
@@ -224,7 +234,7 @@ class DiLoCo:
                  outer_weight_decay: float = 0.0, outer_momentum: float = 0.9,
                  mode: str = "vote", votes: str = "binary", fragments: int = 1,
                  overlap_steps: int = 0, merge_alpha: float = 0.5, group=None, backend=None,
-                 nonfinite: str = "raise", timeout=None, device_mesh=None):
+                 nonfinite: str = "raise", timeout=None, device_mesh=None, outer_options=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -260,6 +270,7 @@ class DiLoCo:
         self._sharding = sharded.resolve(params, device_mesh, group)
         device = check_params([sharded.local(p) for p in params])
         exchange_group = self._sharding.replicate if self._sharding is not None else group
+        self.outer_options = options_.check(outer, outer_options, votes, self._sharding is not None)
         pg, self.world_size = resolve_group(exchange_group)
         check_group_device(pg, self.world_size, device)
 
@@ -275,6 +286,7 @@ class DiLoCo:
             if outer == "dlion" else None
         self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
                            for f, cut in enumerate(cuts)]
+        self._options = options_.runtime(self)  # None: the plain outer step
         self._streams = Streams(device)
         self.inner_step = 0
         self.last_stats: SyncStats | None = None
@@ -313,6 +325,7 @@ class DiLoCo:
         return repr((self.sync_every, self.outer, self.outer_lr, self.outer_betas,
                      self.outer_weight_decay, self.outer_momentum, self.merge_alpha, self.mode,
                      self.votes, self.nonfinite, self.fragments, self.overlap_steps, mesh,
+                     self.outer_options,
                      [(tuple(p.shape), str(p.dtype)) for p in params],
                      [(c.start, c.stop) for c in cuts])).encode()
 
@@ -397,7 +410,9 @@ class DiLoCo:
         """Start the sync's exchange (asynchronous)."""
         fragment, n = inflight.fragment, self.world_size
         try:
-            if self.outer == "dlion":
+            if self._options is not None:
+                inflight.exchange = self._options.start(fragment, inflight.grad, inflight.step)
+            elif self.outer == "dlion":
                 ex = Exchange(device=fragment.theta.device, mode=self.mode, votes=self.votes,
                               group=self.group, backend=self.backend, step=inflight.step,
                               nonfinite=self.nonfinite, streams=self._streams,
@@ -426,7 +441,7 @@ class DiLoCo:
         fragment, n = inflight.fragment, self.world_size
         try:
             intra = 0
-            if self.outer == "dlion":
+            if inflight.exchange is not None:
                 agreement = None if self._sharding is None else \
                     sharded.ShardAgreement(self._sharding, inflight.step, self.timeout)
                 stats = inflight.exchange.finish(agree=agreement)
@@ -524,6 +539,7 @@ class DiLoCo:
             "theta_bar": [f.theta.clone() for f in self._fragments],
             "momentum": [f.momentum.clone() for f in self._fragments],
             "in_flight": inflight,
+            **({} if self._options is None else {"outer_options": self._options.state_dict()}),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -531,12 +547,15 @@ class DiLoCo:
         a state of another configuration raises ValueError and changes nothing. An exchange in
         flight in this object is finished first, without being applied (every rank loads)."""
         self._check_state(state_dict)
+        options_.check_state(self._options, state_dict)
         self._drop_inflight()
         self._reissue = False
         for f, theta, mom in zip(self._fragments, state_dict["theta_bar"],
                                  state_dict["momentum"]):
             f.theta.copy_(theta)
             f.momentum.copy_(mom)
+        if self._options is not None:
+            self._options.load_state_dict(state_dict["outer_options"])
         self.inner_step = int(state_dict["inner_step"])
         saved = state_dict["in_flight"]
         if saved is not None:

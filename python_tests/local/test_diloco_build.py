@@ -6,14 +6,17 @@ evaluation runs on theta_bar, the same on every rank, and puts the local paramet
 import pytest
 import torch
 from test_diloco import _Recorder
+from test_sparseloco import payload_bytes
 from workers import run_workers
 
 from dlion_kernels import build as b
 from dlion_kernels import strategies
 from dlion_kernels.local import fragments as frag
+from dlion_kernels.local.outer_options import SparseLoCoOptions
 
 N, H, STEPS = 3, 4, 8
-SLUGS = ["diloco-dlion", "diloco-nesterov"]
+SLUGS = ["diloco-dlion", "diloco-nesterov", "diloco-dlion-ef", "diloco-dlion-ef-scale",
+         "diloco-sparseloco"]
 
 
 def _model():
@@ -64,9 +67,19 @@ def test_diloco_strategies_train_and_send_only_at_syncs(fragments):
                     assert calls == [] and sent == 0, (slug, t)
                     continue
                 numel = sizes[due]
+                tensors = len(cuts[due])
                 if slug == "diloco-nesterov":
                     assert calls == ["all_reduce"], (slug, t)
                     assert sent == round(2 * (N - 1) / N * 4 * numel), (slug, t)
+                elif slug == "diloco-sparseloco":  # one all_gather of the sparse payload
+                    assert calls == ["all_gather"], (slug, t)
+                    assert sent == (N - 1) * payload_bytes(
+                        [p.numel() for i, p in enumerate(_model().parameters())
+                         if i in cuts[due]], SparseLoCoOptions()), (slug, t)
+                elif slug == "diloco-dlion-ef-scale":  # + the scales: 4 bytes per tensor
+                    assert calls == ["all_to_all_single", "all_gather", "all_gather"], (slug, t)
+                    votes = sent - 4 * tensors * (N - 1)
+                    assert 2 * (N - 1) / N * numel / 8 <= votes < (N - 1) / N * numel, (slug, t)
                 else:  # 1 bit up and 1 bit down per element, padded to words and shards
                     assert calls[0] == "all_to_all_single" and len(calls) == 2, (slug, t)
                     assert 2 * (N - 1) / N * numel / 8 <= sent < (N - 1) / N * numel, (slug, t)
@@ -88,7 +101,9 @@ def test_diloco_strategies_train_and_send_only_at_syncs(fragments):
 
 
 def test_registry():
-    for slug, outer in [("diloco-dlion", "dlion"), ("diloco-nesterov", "nesterov")]:
+    for slug, outer in [("diloco-dlion", "dlion"), ("diloco-nesterov", "nesterov"),
+                        ("diloco-dlion-ef", "dlion"), ("diloco-dlion-ef-scale", "dlion"),
+                        ("diloco-sparseloco", "sparseloco")]:
         s = strategies.get(slug)
         assert (s.family, s.optimizer, s.options["outer"]) == ("diloco", "adamw", outer)
         assert s.problem(3) is None
