@@ -65,21 +65,19 @@ def _arm_kill(at_step: int, step_of) -> None:
     elastic.ManagerGroup.all_gather_single = all_gather_single
 
 
-def _replica(index: int, lighthouse: str, kind: str, kill_at, target: int, out: str,
-             go=None) -> None:
+def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
+    """One replica through one phase: its store and Manager, a tiny model, steps (DiLoCo syncs)
+    until one commits with all 3 replicas at manager step ``target`` or later."""
     import torch
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
 
-    torch.set_num_threads(1)
-    if go is not None:  # a restart: imported ahead, it starts its replica when told
-        go.wait()
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=None,
                       state_dict=None, min_replica_size=2, use_async_quorum=False,
-                      replica_id=f"replica{index}", store_addr="localhost", store_port=store.port,
+                      replica_id=f"{kind}{index}", store_addr="localhost", store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=lighthouse,
                       timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=60),
                       connect_timeout=timedelta(seconds=20))
@@ -87,17 +85,14 @@ def _replica(index: int, lighthouse: str, kind: str, kill_at, target: int, out: 
     model = torch.nn.Linear(40, 24)
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == D
-    sync_every = 2
     if kind == "lion":
         opt = dk.DistributedLion(model.parameters(), lr=1e-2, manager=manager)
-        step_of = manager.current_step
     else:
         inner = torch.optim.SGD(model.parameters(), lr=0.05)
-        diloco = dk.DiLoCo(model, inner, sync_every=sync_every, outer=kind, outer_lr=1e-2
-                           if kind == "dlion" else 0.7, manager=manager)
-        step_of = manager.current_step
+        diloco = dk.DiLoCo(model, inner, sync_every=2, outer=kind,
+                           outer_lr=1e-2 if kind == "dlion" else 0.7, manager=manager)
     if kill_at is not None:
-        _arm_kill(kill_at, step_of)
+        _arm_kill(kill_at, manager.current_step)
     lines = open(out, "a")
     local = 0
     while True:
@@ -109,8 +104,7 @@ def _replica(index: int, lighthouse: str, kind: str, kill_at, target: int, out: 
             model(x).pow(2).mean().backward()
             opt.step()
             s = opt.last_stats
-            record = dict(step=s.manager_step, committed=s.committed, n=s.participants,
-                          sent=s.bytes_sent, numel=s.numel, digest=_digest(params))
+            extra = {}
         else:
             inner.zero_grad()
             model(x).pow(2).mean().backward()
@@ -118,56 +112,105 @@ def _replica(index: int, lighthouse: str, kind: str, kill_at, target: int, out: 
             s = diloco.step()
             if s is None:
                 continue
-            record = dict(step=s.manager_step, committed=s.committed, n=s.participants,
-                          sent=s.bytes_sent, numel=s.numel, digest=_digest(params),
-                          theta=_digest(diloco.theta_bar), inner=diloco.inner_step)
+            extra = dict(theta=_digest(diloco.theta_bar), inner=diloco.inner_step)
+        record = dict(step=s.manager_step, committed=s.committed, n=s.participants,
+                      sent=s.bytes_sent, numel=s.numel, digest=_digest(params), **extra)
         lines.write(json.dumps(record) + "\n")
         lines.flush()
-        if record["n"] < REPLICAS:
-            time.sleep(0.02)  # waiting for the restart: leave it the CPU
         if record["committed"] and record["n"] == REPLICAS and record["step"] >= target:
             break
+        if record["n"] < REPLICAS:
+            time.sleep(0.02)  # waiting for the restart: leave it the CPU
+    lines.close()
     manager.shutdown(wait=False)
+
+
+def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
+    """Replica ``index`` through ``phases[first:]``; ``go``: a restart, imported ahead, that
+    starts when told."""
+    import torch
+
+    import dlion_kernels.elastic  # noqa: F401  (imported ahead: the restart starts at once)
+    import dlion_kernels.local.diloco  # noqa: F401
+    import dlion_kernels.optim.dlion  # noqa: F401
+
+    torch.set_num_threads(1)
+    if go is not None:
+        go.wait()
+    for p, (kind, lighthouse, victim, kill_at, target) in enumerate(phases):
+        if p >= first:
+            _phase(index, p, lighthouse, kind, kill_at if index == victim and go is None
+                   else None, target, os.path.join(tmp, f"{kind}-replica{index}.jsonl"))
     os._exit(0)  # torchft's threads: leave at once
 
 
-def _run(kind: str, kill_at: int, target: int, tmp_path) -> dict:
+def _lines(path) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _wait_for(what, condition, procs, limit=150.0) -> None:
+    end = time.monotonic() + limit
+    while not condition():
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
+        assert not dead and time.monotonic() < end, f"waiting for {what}: exit codes {dead}"
+        time.sleep(0.1)
+
+
+def _run(phases, tmp_path) -> dict:
+    """3 replicas through ``phases`` ((kind, victim, kill_at, target) each): in each phase its
+    victim kills itself and is restarted (a process imported ahead) once the survivors have
+    committed a step without it. Returns each phase's records and, per phase, how many lines
+    the victim wrote before it died."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    tmp = str(tmp_path)
+    houses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+              for _ in phases]
+    plan = [(kind, h.address(), victim, kill_at, target)
+            for (kind, victim, kill_at, target), h in zip(phases, houses)]
     ctx = mp.get_context("spawn")
-    outs = [str(tmp_path / f"replica{i}.jsonl") for i in range(REPLICAS)]
-    victim = 1
-    procs = [ctx.Process(target=_replica, args=(i, lighthouse.address(), kind,
-                                                 kill_at if i == victim else None, target,
-                                                 outs[i])) for i in range(REPLICAS)]
-    go = ctx.Event()
-    restarted = ctx.Process(target=_replica, args=(victim, lighthouse.address(), kind, None,
-                                                    target, outs[victim], go))
+    firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
+    gos = [ctx.Event() for _ in phases]
+    restarts = [ctx.Process(target=_replica, args=(victim, plan, p, tmp, gos[p]))
+                for p, (_, victim, _, _) in enumerate(phases)]
+    procs = firsts + restarts
+    before = []
     try:
-        for p in procs + [restarted]:
+        for p in procs:
             p.start()
-        procs[victim].join(timeout=120)
-        assert procs[victim].exitcode == -signal.SIGKILL, "the victim was to kill itself"
-        with open(outs[victim]) as f:
-            before = len(f.readlines())
-        go.set()
-        deadline = time.monotonic() + 150
-        for p in [procs[0], procs[2], restarted]:
-            p.join(timeout=max(1, deadline - time.monotonic()))
-        codes = [procs[0].exitcode, procs[2].exitcode, restarted.exitcode]
+        current = list(firsts)  # the process running each replica
+        for p, (kind, victim, _, _) in enumerate(phases):
+            proc = current[victim]
+            proc.join(timeout=150)
+            assert proc.exitcode == -signal.SIGKILL, f"phase {kind}: the victim was to die"
+            before.append(len(_lines(os.path.join(tmp, f"{kind}-replica{victim}.jsonl"))))
+            others = [i for i in range(REPLICAS) if i != victim]
+
+            def survived(kind=kind, others=others):
+                return all(any(r["committed"] and r["n"] == 2 for r in
+                               _lines(os.path.join(tmp, f"{kind}-replica{i}.jsonl")))
+                           for i in others)
+
+            _wait_for(f"{kind}: the survivors' steps", survived, procs)
+            gos[p].set()
+            current[victim] = restarts[p]
+        for p in current:
+            p.join(timeout=150)
+        codes = [p.exitcode for p in current]
     finally:
-        for p in procs + [restarted]:
+        for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-        lighthouse.shutdown()
-    assert codes == [0, 0, 0], f"survivors and the restarted replica must end cleanly: {codes}"
-    records = []
-    for f in outs:
-        with open(f) as fh:
-            records.append([json.loads(line) for line in fh])
-    return dict(records=records, victim=victim, before=before)
+        for h in houses:
+            h.shutdown()
+    assert codes == [0] * REPLICAS, f"survivors and restarted replicas must end cleanly: {codes}"
+    return {kind: dict(records=[_lines(os.path.join(tmp, f"{kind}-replica{i}.jsonl"))
+                                for i in range(REPLICAS)], victim=victim, before=b)
+            for (kind, victim, _, _), b in zip(phases, before)}
 
 
 def _check(run, sent_bound) -> None:
@@ -213,31 +256,52 @@ def _vote_bytes(n, d):
     return exact, exact + (n - 1) * (8 + 2 * 4 * 2)
 
 
-def test_distributed_lion_survives_a_killed_replica_and_heals_it(tmp_path):
-    run = _run("lion", kill_at=3, target=8, tmp_path=tmp_path)
-    _check(run, _vote_bytes)
-
-
-def test_diloco_survives_a_replica_killed_in_a_sync_and_heals_it(tmp_path):
-    run = _run("dlion", kill_at=2, target=5, tmp_path=tmp_path)
-    _check(run, _vote_bytes)
+def test_a_replica_killed_mid_step_and_mid_sync_survivors_go_on_and_it_heals(tmp_path):
+    # one set of processes for both (torch's import is most of this test's time): first
+    # DistributedLion (replica 1 dies mid-step), then DiLoCo with the D-Lion outer step
+    # (replica 2 dies mid-sync); the restarted replica 1 goes on into the DiLoCo phase
+    runs = _run([("lion", 1, 3, 8), ("dlion", 2, 2, 5)], tmp_path)
+    _check(runs["lion"], _vote_bytes)
+    _check(runs["dlion"], _vote_bytes)
     # theta_bar is the same on every replica after every committed sync
     thetas: dict = {}
-    for rs in run["records"]:
+    for rs in runs["dlion"]["records"]:
         for r in rs:
             if r["committed"]:
                 thetas.setdefault(r["step"], set()).add(r["theta"])
     assert all(len(t) == 1 for t in thetas.values())
 
 
-def test_manager_is_checked():
+def test_manager_is_checked_and_torchft_is_imported_only_with_one():
+    import subprocess
+    import sys
+
     import torch
+    from torchft.manager import Manager
 
     import dlion_kernels as dk
 
     model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="manager must be a torchft.Manager"):
         dk.DistributedLion(model.parameters(), manager=object())
     with pytest.raises(TypeError, match="manager must be a torchft.Manager"):
-        dk.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
-                  manager="manager")
+        dk.DiLoCo(model, inner, sync_every=2, manager="manager")
+    # a Manager without its servers: enough for the checks made before anything starts
+    manager = Manager.__new__(Manager)
+    manager._use_async_quorum = True
+    with pytest.raises(ValueError, match="use_async_quorum=False"):
+        dk.DistributedLion(model.parameters(), manager=manager)
+    manager._use_async_quorum = False
+    with pytest.raises(ValueError, match="heal_momentum must be one of"):
+        dk.DistributedLion(model.parameters(), manager=manager, heal_momentum="mine")
+    with pytest.raises(ValueError, match="overlap=True"):
+        dk.DistributedLion(model.parameters(), manager=manager, overlap=True)
+    with pytest.raises(ValueError, match="overlap_steps=0"):
+        dk.DiLoCo(model, inner, sync_every=4, overlap_steps=1, manager=manager)
+    # without a manager torchft is never imported
+    code = ("import sys, torch, dlion_kernels as dk; m = torch.nn.Linear(2, 2); "
+            "dk.DistributedLion(m.parameters()); "
+            "dk.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=2); "
+            "import dlion_kernels.elastic; assert 'torchft' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
