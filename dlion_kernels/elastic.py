@@ -23,7 +23,9 @@ its local steps alone until the next sync of the others, heals there and syncs w
 
 Recovery (``manager.register_state_dict_fn``): ``DistributedLion`` registers its parameters, the
 step count and, with ``heal_momentum="peer"``, its momenta; ``DiLoCo`` registers theta_bar, the
-inner step, the model's trainable parameters and, with ``"peer"``, the outer momenta. Copies are
+inner step, the model's trainable parameters and the outer momenta with ``"peer"`` or with
+``outer="nesterov"`` (Nesterov's momentum follows the mean pseudo-gradient: it is the same on
+every replica, shared state that a healing replica must copy whatever ``heal_momentum`` says). Copies are
 taken when a peer asks (torchft serves them while the sender's step runs; nothing the sender
 later changes reaches the healing replica).
 
@@ -356,11 +358,16 @@ class ElasticDiLoCo:
     def _params(self) -> list:
         return [p for f in self.d._fragments for p in f.params]
 
+    def _peer_momentum(self) -> bool:
+        # Nesterov's u is built from the mean pseudo-gradient: the same on every replica, part
+        # of the shared state (only D-Lion's momenta are private to a replica)
+        return self.heal_momentum == "peer" or self.d.outer == "nesterov"
+
     def _save(self) -> dict:
         d = self.d
         out = {"inner_step": d.inner_step, "theta_bar": [f.theta.clone() for f in d._fragments],
                "params": [p.detach().clone() for p in self._params()]}
-        if self.heal_momentum == "peer":
+        if self._peer_momentum():
             out["momentum"] = [f.momentum.clone() for f in d._fragments]
         return out
 
@@ -368,7 +375,7 @@ class ElasticDiLoCo:
         d = self.d
         _copy_into([f.theta for f in d._fragments], saved["theta_bar"], "theta_bar")
         _copy_into(self._params(), saved["params"], "parameters")
-        if self.heal_momentum == "peer":
+        if self._peer_momentum():
             _copy_into([f.momentum for f in d._fragments], saved["momentum"], "outer momenta")
         elif self.heal_momentum == "zero":
             for f in d._fragments:

@@ -50,19 +50,24 @@ def _digest(params) -> str:
 
 
 def _arm_kill(at_step: int, step_of) -> None:
-    """Kill this process (SIGKILL) inside the all_gather of the tally of its first step of all
-    3 replicas from ``at_step`` on (a replica may start late and join a later quorum): its votes
-    were sent (the all_to_all is done), the step is half way."""
+    """Kill this process (SIGKILL) in the middle of its first step (sync) of all 3 replicas from
+    manager step ``at_step`` on (a replica may start late and join a later quorum): D-Lion inside
+    the all_gather of the tally (its votes were sent: the all_to_all is done), Nesterov at its
+    all-reduce."""
     from dlion_kernels import elastic
 
-    original = elastic.ManagerGroup.all_gather_single
+    def dies(name):
+        original = getattr(elastic.ManagerGroup, name)
 
-    def all_gather_single(self, output, input, opts):
-        if step_of() >= at_step and self.n == REPLICAS:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, output, input, opts)
+        def collective(self, *args):
+            if step_of() >= at_step and self.n == REPLICAS:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, *args)
 
-    elastic.ManagerGroup.all_gather_single = all_gather_single
+        setattr(elastic.ManagerGroup, name, collective)
+
+    dies("all_gather_single")
+    dies("allreduce")
 
 
 def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
@@ -113,7 +118,7 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
             if s is None:
                 continue
             extra = dict(theta=_digest(diloco.theta_bar), inner=diloco.inner_step)
-        record = dict(step=s.manager_step, committed=s.committed, n=s.participants,
+        record = dict(t=time.time(), step=s.manager_step, committed=s.committed, n=s.participants,
                       sent=s.bytes_sent, numel=s.numel, digest=_digest(params), **extra)
         lines.write(json.dumps(record) + "\n")
         lines.flush()
@@ -256,20 +261,29 @@ def _vote_bytes(n, d):
     return exact, exact + (n - 1) * (8 + 2 * 4 * 2)
 
 
+def _allreduce_bytes(n, d):
+    """DiLoCo's Nesterov: a ring all-reduce of the fp32 pseudo-gradients, 2 (n-1)/n 4d."""
+    exact = round(2 * (n - 1) / n * 4 * d)
+    return exact, exact
+
+
 def test_a_replica_killed_mid_step_and_mid_sync_survivors_go_on_and_it_heals(tmp_path):
-    # one set of processes for both (torch's import is most of this test's time): first
+    # one set of processes for all (torch's import is most of this test's time): first
     # DistributedLion (replica 1 dies mid-step), then DiLoCo with the D-Lion outer step
-    # (replica 2 dies mid-sync); the restarted replica 1 goes on into the DiLoCo phase
-    runs = _run([("lion", 1, 3, 8), ("dlion", 2, 2, 5)], tmp_path)
+    # (replica 2 dies mid-sync), then DiLoCo with Nesterov (replica 0 dies mid-sync); each
+    # restarted replica goes on into the next phases
+    runs = _run([("lion", 1, 3, 8), ("dlion", 2, 2, 5), ("nesterov", 0, 2, 5)], tmp_path)
     _check(runs["lion"], _vote_bytes)
     _check(runs["dlion"], _vote_bytes)
+    _check(runs["nesterov"], _allreduce_bytes)
     # theta_bar is the same on every replica after every committed sync
-    thetas: dict = {}
-    for rs in runs["dlion"]["records"]:
-        for r in rs:
-            if r["committed"]:
-                thetas.setdefault(r["step"], set()).add(r["theta"])
-    assert all(len(t) == 1 for t in thetas.values())
+    for kind in ("dlion", "nesterov"):
+        thetas: dict = {}
+        for rs in runs[kind]["records"]:
+            for r in rs:
+                if r["committed"]:
+                    thetas.setdefault(r["step"], set()).add(r["theta"])
+        assert all(len(t) == 1 for t in thetas.values()), kind
 
 
 def test_manager_is_checked_and_torchft_is_imported_only_with_one():
