@@ -25,9 +25,9 @@ Recovery (``manager.register_state_dict_fn``): ``DistributedLion`` registers its
 step count and, with ``heal_momentum="peer"``, its momenta; ``DiLoCo`` registers theta_bar, the
 inner step, the model's trainable parameters and the outer momenta with ``"peer"`` or with
 ``outer="nesterov"`` (Nesterov's momentum follows the mean pseudo-gradient: it is the same on
-every replica, shared state that a healing replica must copy whatever ``heal_momentum`` says). Copies are
-taken when a peer asks (torchft serves them while the sender's step runs; nothing the sender
-later changes reaches the healing replica).
+every replica, shared state that a healing replica must copy whatever ``heal_momentum`` says).
+Copies are taken when a peer asks (torchft serves them while the sender's step runs; nothing the
+sender later changes reaches the healing replica).
 
 Momentum on heal (``heal_momentum``, the same on every replica; default ``"own"``):
 - ``"own"``: the replica keeps the momentum it has: zero for a fresh process, what it loaded from
