@@ -176,7 +176,12 @@ def _run(phases, tmp_path) -> dict:
               for _ in phases]
     plan = [(kind, h.address(), victim, kill_at, target)
             for (kind, victim, kill_at, target), h in zip(phases, houses)]
-    ctx = mp.get_context("spawn")
+    # a fork server that imported torch and the library once: 6 processes importing torch at
+    # once cost a minute of CPU on a small machine (the server runs nothing, so forking it is
+    # safe; torchft starts its threads only in the replicas)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torchft", "dlion_kernels.elastic",
+                                "dlion_kernels.optim.dlion", "dlion_kernels.local.diloco"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
     restarts = [ctx.Process(target=_replica, args=(victim, plan, p, tmp, gos[p]))
