@@ -82,7 +82,7 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=None,
                       state_dict=None, min_replica_size=2, use_async_quorum=False,
-                      replica_id=f"{kind}{index}", store_addr="localhost", store_port=store.port,
+                      replica_id=f"{kind}_{index}", store_addr="localhost", store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=lighthouse,
                       timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=60),
                       connect_timeout=timedelta(seconds=20))
@@ -90,7 +90,7 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
     model = torch.nn.Linear(40, 24)
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == D
-    if kind == "lion":
+    if kind.startswith("lion"):
         opt = dk.DistributedLion(model.parameters(), lr=1e-2, manager=manager)
     else:
         inner = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -104,7 +104,7 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
         local += 1
         gen = torch.Generator().manual_seed(1000 * index + 7 * local)
         x = torch.randn(8, 40, generator=gen)
-        if kind == "lion":
+        if kind.startswith("lion"):
             opt.zero_grad()  # the quorum (a restarted replica heals here)
             model(x).pow(2).mean().backward()
             opt.step()
@@ -142,10 +142,11 @@ def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
     torch.set_num_threads(1)
     if go is not None:
         go.wait()
-    for p, (kind, lighthouse, victim, kill_at, target) in enumerate(phases):
-        if p >= first:
-            _phase(index, p, lighthouse, kind, kill_at if index == victim and go is None
-                   else None, target, os.path.join(tmp, f"{kind}-replica{index}.jsonl"))
+    for p, (kind, lighthouse, victims, kill_at, target) in enumerate(phases):
+        if p >= first:  # a restart does not die again in the phase it restarts in
+            dies = index in victims and (go is None or p > first)
+            _phase(index, p, lighthouse, kind, kill_at if dies else None, target,
+                   os.path.join(tmp, f"{kind}-replica{index}.jsonl"))
     os._exit(0)  # torchft's threads: leave at once
 
 
@@ -165,18 +166,19 @@ def _wait_for(what, condition, procs, limit=150.0) -> None:
 
 
 def _run(phases, tmp_path) -> dict:
-    """3 replicas through ``phases`` ((kind, victim, kill_at, target) each): in each phase its
-    victim kills itself and is restarted (a process imported ahead) once the survivors have
-    committed a step without it. Returns each phase's records and, per phase, how many lines
-    the victim wrote before it died."""
+    """3 replicas through ``phases`` ((kind, victims, kill_at, target) each): in each phase its
+    victims kill themselves in the same step and are restarted (processes imported ahead) once
+    the survivors have gone on without them: committed a step with 2 replicas, or, for one
+    survivor alone (below min_replica_size), failed the step. Returns each phase's records and
+    how many lines each victim wrote before it died."""
     from torchft.coordination import LighthouseServer
 
     tmp = str(tmp_path)
     houses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
               for _ in phases]
-    plan = [(kind, h.address(), victim, kill_at, target)
-            for (kind, victim, kill_at, target), h in zip(phases, houses)]
-    # a fork server that imported torch and the library once: 6 processes importing torch at
+    plan = [(kind, h.address(), victims, kill_at, target)
+            for (kind, victims, kill_at, target), h in zip(phases, houses)]
+    # a fork server that imported torch and the library once: many processes importing torch at
     # once cost a minute of CPU on a small machine (the server runs nothing, so forking it is
     # safe; torchft starts its threads only in the replicas)
     ctx = mp.get_context("forkserver")
@@ -184,29 +186,32 @@ def _run(phases, tmp_path) -> dict:
                                 "dlion_kernels.optim.dlion", "dlion_kernels.local.diloco"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
-    restarts = [ctx.Process(target=_replica, args=(victim, plan, p, tmp, gos[p]))
-                for p, (_, victim, _, _) in enumerate(phases)]
-    procs = firsts + restarts
+    restarts = {(p, v): ctx.Process(target=_replica, args=(v, plan, p, tmp, gos[p]))
+                for p, (_, victims, _, _) in enumerate(phases) for v in victims}
+    procs = firsts + list(restarts.values())
     before = []
+    path = os.path.join(tmp, "{}-replica{}.jsonl").format
     try:
         for p in procs:
             p.start()
         current = list(firsts)  # the process running each replica
-        for p, (kind, victim, _, _) in enumerate(phases):
-            proc = current[victim]
-            proc.join(timeout=150)
-            assert proc.exitcode == -signal.SIGKILL, f"phase {kind}: the victim was to die"
-            before.append(len(_lines(os.path.join(tmp, f"{kind}-replica{victim}.jsonl"))))
-            others = [i for i in range(REPLICAS) if i != victim]
+        for p, (kind, victims, _, _) in enumerate(phases):
+            before.append({})
+            for v in victims:
+                current[v].join(timeout=150)
+                assert current[v].exitcode == -signal.SIGKILL, f"{kind}: replica {v} was to die"
+                before[-1][v] = len(_lines(path(kind, v)))
+            others = [i for i in range(REPLICAS) if i not in victims]
 
-            def survived(kind=kind, others=others):
-                return all(any(r["committed"] and r["n"] == 2 for r in
-                               _lines(os.path.join(tmp, f"{kind}-replica{i}.jsonl")))
+            def went_on(kind=kind, others=others):
+                return all(any(r["committed"] and r["n"] == 2 if len(others) == 2 else
+                               not r["committed"] for r in _lines(path(kind, i)))
                            for i in others)
 
-            _wait_for(f"{kind}: the survivors' steps", survived, procs)
+            _wait_for(f"{kind}: the survivors' steps", went_on, procs)
             gos[p].set()
-            current[victim] = restarts[p]
+            for v in victims:
+                current[v] = restarts[(p, v)]
         for p in current:
             p.join(timeout=150)
         codes = [p.exitcode for p in current]
@@ -218,38 +223,41 @@ def _run(phases, tmp_path) -> dict:
         for h in houses:
             h.shutdown()
     assert codes == [0] * REPLICAS, f"survivors and restarted replicas must end cleanly: {codes}"
-    return {kind: dict(records=[_lines(os.path.join(tmp, f"{kind}-replica{i}.jsonl"))
-                                for i in range(REPLICAS)], victim=victim, before=b)
-            for (kind, victim, _, _), b in zip(phases, before)}
+    return {kind: dict(records=[_lines(path(kind, i)) for i in range(REPLICAS)], before=b)
+            for (kind, _, _, _), b in zip(phases, before)}
 
 
 def _check(run, sent_bound) -> None:
-    records, victim, before = run["records"], run["victim"], run["before"]
+    records, before = run["records"], run["before"]
     # no step applied on a subset; bit-identical after every committed step
     by_step: dict = {}
     for i, rs in enumerate(records):
         prev = None
-        for r in rs:
+        for k, r in enumerate(rs):
             if r["committed"]:
                 by_step.setdefault(r["step"], set()).add(r["digest"])
-            elif prev is not None and not (i == victim and r is rs[before]):
+                assert r["n"] >= 2, "committed below min_replica_size"
+            elif prev is not None and before.get(i) != k:
                 assert r["digest"] == prev["digest"], "a step that did not commit changed it"
             prev = r
     assert all(len(d) == 1 for d in by_step.values()), \
         {s: d for s, d in by_step.items() if len(d) > 1}
-    survivors = [rs for i, rs in enumerate(records) if i != victim]
+    survivors = [rs for i, rs in enumerate(records) if i not in before]
     for rs in survivors:
         assert not all(r["committed"] for r in rs), "the step of the kill cannot have committed"
-        assert any(r["committed"] and r["n"] == 2 for r in rs), "no step with the 2 survivors"
+        if len(survivors) == 2:
+            assert any(r["committed"] and r["n"] == 2 for r in rs), "no step with 2 survivors"
         assert rs[-1]["committed"] and rs[-1]["n"] == REPLICAS
-    healed = records[victim][before:]
-    assert healed, "the restarted replica took no step"
-    first = healed[0]
-    assert first["committed"] and first["n"] == REPLICAS, first
-    # healed: it stepped from the survivors' state, so its first step ends where theirs does
-    assert first["digest"] in by_step[first["step"]]
-    assert first["step"] > max((r["step"] for r in records[victim][:before] if r["committed"]),
-                               default=0)
+    for v, b in before.items():
+        healed = records[v][b:]
+        assert healed, f"the restarted replica {v} took no step"
+        first = healed[0]
+        assert first["committed"] and first["n"] >= 2, first
+        # healed: it stepped from the survivors' state, so its first step ends where theirs does
+        assert first["digest"] in by_step[first["step"]]
+        assert first["step"] > max((r["step"] for r in records[v][:b] if r["committed"]),
+                                   default=0)
+        assert healed[-1]["committed"] and healed[-1]["n"] == REPLICAS
     for rs in records:
         for r in rs:
             if r["committed"]:
@@ -275,10 +283,14 @@ def _allreduce_bytes(n, d):
 def test_a_replica_killed_mid_step_and_mid_sync_survivors_go_on_and_it_heals(tmp_path):
     # one set of processes for all (torch's import is most of this test's time): first
     # DistributedLion (replica 1 dies mid-step), then DiLoCo with the D-Lion outer step
-    # (replica 2 dies mid-sync), then DiLoCo with Nesterov (replica 0 dies mid-sync); each
-    # restarted replica goes on into the next phases
-    runs = _run([("lion", 1, 3, 8), ("dlion", 2, 2, 5), ("nesterov", 0, 2, 5)], tmp_path)
+    # (replica 2 dies mid-sync), then DiLoCo with Nesterov (replica 0 dies mid-sync), then
+    # DistributedLion again with replicas 1 and 2 dying in the same step: replica 0 alone is
+    # below min_replica_size, commits nothing and waits for the quorum until both restarts
+    # have healed; each restarted replica goes on into the next phases
+    runs = _run([("lion", (1,), 3, 8), ("dlion", (2,), 2, 5), ("nesterov", (0,), 2, 5),
+                 ("lion2", (1, 2), 3, 8)], tmp_path)
     _check(runs["lion"], _vote_bytes)
+    _check(runs["lion2"], _vote_bytes)
     _check(runs["dlion"], _vote_bytes)
     _check(runs["nesterov"], _allreduce_bytes)
     # theta_bar is the same on every replica after every committed sync
