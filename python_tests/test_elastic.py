@@ -1,27 +1,36 @@
 """Elastic training on torchft (dlion_kernels/elastic.py), with real processes on gloo: an
-in-process torchft ``LighthouseServer`` and 3 replicas of one process each, started here (each
-with its own TCPStore and ``Manager(pg=ProcessGroupGloo(...), min_replica_size=2,
+in-process torchft ``LighthouseServer`` per phase and 3 replicas of one process each, started here
+(each with its own TCPStore and ``Manager(pg=ProcessGroupGloo(...), min_replica_size=2,
 use_async_quorum=False)``).
 
-One replica kills itself (SIGKILL) in the middle of a step: after its all_to_all of the votes,
-inside the all_gather of the tally (for ``DiLoCo``: in the middle of a sync). The test then
-restarts it with the same replica id. Every replica writes one line per step (sync): the manager
-step after it, whether it committed, the participants, the bytes sent, the elements and a digest
-of its parameters. Checked from those lines:
+Phases, in one set of processes: ``DistributedLion``, ``DiLoCo`` with the D-Lion outer step,
+``DiLoCo`` with Nesterov, and ``DistributedLion`` again with two replicas dying in the same step.
+In each, victims kill themselves (SIGKILL) in the middle of a step (a sync): D-Lion inside the
+all_gather of the tally, after the all_to_all of the votes; Nesterov at its all-reduce. The test
+restarts each victim with the same replica id once the survivors went on without it. Every
+replica writes one line per step (sync): the manager step after it, whether it committed, the
+participants, the bytes sent, the elements and a digest of its parameters. Checked from those
+lines:
 
-- the survivors never raise (exit code 0) and keep stepping with 2 participants;
+- the survivors never raise (exit code 0) and keep stepping with 2 participants; one survivor
+  alone (below min_replica_size) commits nothing and waits for a quorum until the restarts heal;
 - no step is applied on a subset: a replica whose step did not commit keeps its parameters, and
-  every replica that committed a given manager step holds bit-identical parameters after it;
-- the restarted replica heals (its first step is at the survivors' step, with their parameters)
-  and votes again (3 participants, committed);
-- bytes per step are the wire's figure for the step's participants: 2 (n-1)/n d/8 plus padding.
+  every replica that committed a given manager step holds bit-identical parameters after it (and
+  the same theta_bar, for DiLoCo); nothing commits with fewer than 2 replicas;
+- a restarted replica heals (its first step is at the survivors' step, with their parameters)
+  and votes again (committed, up to all 3 replicas at the end);
+- bytes per step are the wire's figure for the step's participants: 2 (n-1)/n d/8 plus padding
+  for the vote, 2 (n-1)/n 4d for Nesterov's all-reduce.
+
+A replica that starts late (after the others' first quorum) heals the same way; the phases'
+starts often make one, but the test does not force it.
 
 What is not tested here, and why:
-- an FSDP2 replica group (2 replicas x 2 shards): ``manager=`` runs one process per replica;
-  torchft's gloo group would need one manager per shard rank and the exchange on local shards,
-  which is not built;
-- GPU process groups (torchft's ``ProcessGroupNCCL``): no GPU on the machines the tests run on;
-- an asynchronous quorum: refused (``use_async_quorum=True`` raises ``ValueError``).
+- an FSDP2 replica group (2 replicas x 2 shards): ``manager=`` runs one process per replica (not
+  built for sharded parameters: torchft's group would need a manager per shard rank and the
+  exchange on local shards);
+- GPU process groups (torchft's ``ProcessGroupNCCL``): no GPU where the tests run;
+- an asynchronous quorum: refused (``use_async_quorum=True`` raises ``ValueError``, tested below).
 """
 
 from __future__ import annotations
