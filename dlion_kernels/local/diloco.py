@@ -217,6 +217,11 @@ class DiLoCo:
 
     ``last_stats`` is the ``SyncStats`` of the last sync applied (None before the first);
     ``bytes_sent`` adds up every sync's bytes on this rank.
+    manager: a ``torchft.Manager`` (``docs/elastic.md``): one quorum per sync, the sync applies
+        only if ``manager.should_commit()``, a dead replica leaves the others training and a
+        restarted one heals at the next sync (``heal_momentum``: "own", "peer" or "zero"; with
+        Nesterov the shared momentum is always copied). ``last_stats`` is then an
+        ``ElasticSyncStats``; one process per replica, ``overlap_steps=0``.
     """
 
     def __init__(self, model, inner_optimizer, sync_every: int, outer: str = "dlion", *,

@@ -126,6 +126,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     How long a collective may take is the process group's timeout (hierarchy's node groups get
     the default group's); ``timeout`` (seconds or a ``timedelta``) bounds every wait of the step
     further. With it, CUDA waits are host waits.
+
+    ``manager`` (a ``torchft.Manager``, ``docs/elastic.md``): elastic training on torchft's
+    quorum. ``zero_grad()`` opens each step's quorum, the vote runs among the step's replicas over
+    the manager's process group, and the step applies only if ``manager.should_commit()``; a dead
+    replica leaves the others training, a restarted one heals from a live one (``heal_momentum``:
+    "own", "peer" or "zero"). ``last_stats`` is then an ``ElasticStepStats``. Flat parameters,
+    one process per replica; copies are not elastic.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
