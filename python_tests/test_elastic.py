@@ -191,8 +191,11 @@ def _run(phases, tmp_path) -> dict:
     # once cost a minute of CPU on a small machine (the server runs nothing, so forking it is
     # safe; torchft starts its threads only in the replicas)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torchft", "dlion_kernels.elastic",
-                                "dlion_kernels.optim.dlion", "dlion_kernels.local.diloco"])
+    # (torch._dynamo: what torch.optim loads at a first step; a restart then heals at once)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
+                                "dlion_kernels.elastic", "dlion_kernels.optim.dlion",
+                                "dlion_kernels.local.diloco", "dlion_kernels.kernels.native",
+                                "dlion_kernels.kernels.reference"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
     restarts = {(p, v): ctx.Process(target=_replica, args=(v, plan, p, tmp, gos[p]))
