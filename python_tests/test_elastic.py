@@ -330,6 +330,10 @@ def test_manager_is_checked_and_torchft_is_imported_only_with_one():
         dk.DistributedLion(model.parameters(), manager=object())
     with pytest.raises(TypeError, match="manager must be a torchft.Manager"):
         dk.DiLoCo(model, inner, sync_every=2, manager="manager")
+    with pytest.raises(ValueError, match="applies only with manager="):
+        dk.DistributedLion(model.parameters(), heal_momentum="peer")
+    with pytest.raises(ValueError, match="applies only with manager="):
+        dk.DiLoCo(model, inner, sync_every=2, heal_momentum="zero")
     # a Manager without its servers: enough for the checks made before anything starts
     manager = Manager.__new__(Manager)
     manager._use_async_quorum = True

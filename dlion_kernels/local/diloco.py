@@ -263,6 +263,8 @@ class DiLoCo:
         if manager is not None:  # torchft's quorum at every sync (elastic.py)
             from .. import elastic
             elastic.check_diloco(group=group, device_mesh=device_mesh, overlap_steps=overlap_steps)
+        elif heal_momentum != "own":
+            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
         # FSDP2: the exchange runs between the replicas of this rank's shards (SPEC §10)

@@ -201,6 +201,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if manager is not None:
             from .. import elastic
             self._elastic = elastic.ElasticLion(self, manager, heal_momentum)
+        elif heal_momentum != "own":
+            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """With ``manager=``, also opens this step's quorum (a healing replica heals here)."""
