@@ -148,7 +148,8 @@ def resolve_group(group):
 def check_group_device(group, n: int, device: torch.device) -> None:
     if n == 1:
         return
-    name = str(dist.get_backend(group)).lower()
+    # a group object that names its backend itself (elastic.py's view of torchft's group)
+    name = str(getattr(group, "backend_name", None) or dist.get_backend(group)).lower()
     if device.type == "cpu" and name == "nccl":
         raise ValueError("CPU tensors need a gloo process group; this group uses NCCL")
     if device.type == "cuda" and "nccl" not in name:

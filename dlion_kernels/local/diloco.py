@@ -227,6 +227,11 @@ class DiLoCo:
 
     ``last_stats`` is the ``SyncStats`` of the last sync applied (None before the first);
     ``bytes_sent`` adds up every sync's bytes on this rank.
+    manager: a ``torchft.Manager`` (``docs/elastic.md``): one quorum per sync, the sync applies
+        only if ``manager.should_commit()``, a dead replica leaves the others training and a
+        restarted one heals at the next sync (``heal_momentum``: "own", "peer" or "zero"; with
+        Nesterov the shared momentum is always copied). ``last_stats`` is then an
+        ``ElasticSyncStats``; one process per replica, ``overlap_steps=0``.
     """
 
     def __init__(self, model, inner_optimizer, sync_every: int, outer: str = "dlion", *,
@@ -234,7 +239,8 @@ class DiLoCo:
                  outer_weight_decay: float = 0.0, outer_momentum: float = 0.9,
                  mode: str = "vote", votes: str = "binary", fragments: int = 1,
                  overlap_steps: int = 0, merge_alpha: float = 0.5, group=None, backend=None,
-                 nonfinite: str = "raise", timeout=None, device_mesh=None, outer_options=None):
+                 nonfinite: str = "raise", timeout=None, device_mesh=None, outer_options=None,
+                 manager=None, heal_momentum: str = "own"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -264,6 +270,12 @@ class DiLoCo:
                 or not 0.0 <= merge_alpha <= 1.0:
             raise ValueError(f"merge_alpha must be a number in [0, 1], got {merge_alpha!r}")
         check_options(mode, votes, backend, nonfinite)
+        if manager is not None:  # torchft's quorum at every sync (elastic.py)
+            from .. import elastic
+            elastic.check_diloco(group=group, device_mesh=device_mesh, overlap_steps=overlap_steps,
+                                 outer=outer, outer_options=outer_options)
+        elif heal_momentum != "own":
+            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
         # FSDP2: the exchange runs between the replicas of this rank's shards (SPEC §10)
@@ -293,6 +305,8 @@ class DiLoCo:
         self.bytes_sent = 0
         self._inflight: _InFlight | None = None
         self._reissue = False  # a loaded in-flight sync whose exchange the next step() issues
+        self._elastic = None if manager is None else \
+            elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum)
 
     # ------------------------------------------------------------------------- construction
 
@@ -389,6 +403,8 @@ class DiLoCo:
         """Call after every ``inner_optimizer.step()``. At a sync step: the outer step of the
         fragment that is due (see the module docstring); otherwise nothing. Returns the
         ``SyncStats`` of the sync applied in this call, or None."""
+        if getattr(self, "_elastic", None) is not None:  # torchft's quorum (elastic.py)
+            return self._elastic.step()
         t = self.inner_step + 1
         applied = None
         if self._reissue:

@@ -126,6 +126,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     How long a collective may take is the process group's timeout (hierarchy's node groups get
     the default group's); ``timeout`` (seconds or a ``timedelta``) bounds every wait of the step
     further. With it, CUDA waits are host waits.
+
+    ``manager`` (a ``torchft.Manager``, ``docs/elastic.md``): elastic training on torchft's
+    quorum. ``zero_grad()`` opens each step's quorum, the vote runs among the step's replicas over
+    the manager's process group, and the step applies only if ``manager.should_commit()``; a dead
+    replica leaves the others training, a restarted one heals from a live one (``heal_momentum``:
+    "own", "peer" or "zero"). ``last_stats`` is then an ``ElasticStepStats``. Flat parameters,
+    one process per replica; copies are not elastic.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
@@ -152,6 +159,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         hierarchy=None,
         timeout=None,
         device_mesh=None,
+        manager=None,
+        heal_momentum: str = "own",
     ):
         check_hyperparameters(lr, betas, weight_decay)
         as_timedelta(timeout)
@@ -188,6 +197,18 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._choose_hierarchy()
         if overlap:
             self._build_engine()
+        self._elastic = None  # manager=: torchft's quorum around every step (elastic.py)
+        if manager is not None:
+            from .. import elastic
+            self._elastic = elastic.ElasticLion(self, manager, heal_momentum)
+        elif heal_momentum != "own":
+            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """With ``manager=``, also opens this step's quorum (a healing replica heals here)."""
+        if getattr(self, "_elastic", None) is not None:
+            self._elastic.start_quorum()
+        super().zero_grad(set_to_none)
 
     def _choose_hierarchy(self) -> None:
         """hierarchy="auto": the runtime model picks L (ranks per node) or flat (1) for this
@@ -453,6 +474,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scaler=None):
         """One step on every rank. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step``
         (never pass it yourself)."""
+        if getattr(self, "_elastic", None) is not None:  # torchft's quorum (elastic.py)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._elastic.step()
+            return loss
         attached_group(self.group, self)
         self._runtime()
         if self._exchange is None:

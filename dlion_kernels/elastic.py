@@ -1,0 +1,391 @@
+"""Elastic training on torchft's quorum: ``DistributedLion(..., manager=)`` and
+``DiLoCo(..., manager=)`` keep training when a replica dies, and a replica that (re)starts heals
+from a live one.
+
+A thin layer around a step, not a new exchange. For each step (each DiLoCo sync):
+
+    quorum   manager.start_quorum(): torchft's Lighthouse decides which replicas take part and
+             reconfigures the manager's process group for them; a replica that starts or fell
+             behind heals here (torchft's recovery copies the state registered below from a live
+             replica) before it computes anything, so its vote counts only once healed
+    vote     the library's exchange (fused stages, all_to_all of the packed votes, all_gather of
+             the tally) on that group, n = manager.num_participants(); ``ManagerGroup`` is the
+             small adapter that gives torchft's group the two calls the exchange makes
+    commit   manager.should_commit(); the step (the sync) applies only where it says True.
+             A collective that fails (a peer died) is reported with manager.report_error and
+             never raised: should_commit then says False, nothing is applied, and the next
+             quorum goes on with the replicas left.
+
+``DistributedLion`` opens the quorum in ``zero_grad()`` (so a healing replica's forward and
+backward already run on the healed parameters); ``step()`` opens it if ``zero_grad()`` did not.
+``DiLoCo`` opens one quorum per sync (per fragment), at the sync: a replica that restarts takes
+its local steps alone until the next sync of the others, heals there and syncs with them.
+
+Recovery (``manager.register_state_dict_fn``): ``DistributedLion`` registers its parameters, the
+step count and, with ``heal_momentum="peer"``, its momenta; ``DiLoCo`` registers theta_bar, the
+inner step, the model's trainable parameters and the outer momenta with ``"peer"`` or with
+``outer="nesterov"`` (Nesterov's momentum follows the mean pseudo-gradient: it is the same on
+every replica, shared state that a healing replica must copy whatever ``heal_momentum`` says).
+Copies are taken when a peer asks (torchft serves them while the sender's step runs; nothing the
+sender later changes reaches the healing replica).
+
+Momentum on heal (``heal_momentum``, the same on every replica; default ``"own"``):
+- ``"own"``: the replica keeps the momentum it has: zero for a fresh process, what it loaded from
+  its own checkpoint (``dk.load_state``) if it did, its live momentum if it only fell behind by a
+  step. Votes stay independent: momentum is private to a replica in Distributed Lion.
+- ``"peer"``: the momentum of the replica it heals from (the transfer doubles); the two then vote
+  alike for about 1 / (1 - beta2) steps.
+- ``"zero"``: zero, whatever the replica had.
+
+Limits: ``use_async_quorum=False`` (an asynchronous quorum lets a healing replica into the step's
+collectives before it has healed, and a 1-bit vote cannot abstain); one process per replica with
+flat parameters (no ``overlap``, ``hierarchy``, ``device_mesh`` or ``group``); DiLoCo without
+``overlap_steps``. ``import dlion_kernels`` never imports torchft: it is imported here, when a
+manager is passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .decentralized.wrapper import gossip_bytes_per_step
+from .exchange.checks import check_hyperparameters, check_tensors
+from .exchange.collectives import collective
+from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats
+from .kernels.layout import block_offsets
+from .local import fragments as frag
+
+HEAL_MOMENTUM = ("own", "peer", "zero")
+ALL_REDUCE = "all_reduce(pseudo-gradient)"
+
+
+@dataclass(frozen=True)
+class ElasticStepStats(StepStats):
+    """A ``StepStats`` of a step run on torchft's quorum: ``world_size`` (and ``participants``)
+    is the step's number of participating replicas, ``committed`` what ``should_commit`` said
+    (False: nothing was applied on this replica, ``skipped`` is True), ``manager_step`` the
+    manager's step count after it."""
+
+    participants: int = 0
+    committed: bool = False
+    manager_step: int = 0
+
+
+def check_manager(manager) -> None:
+    """``manager`` must be a ``torchft.Manager`` with a synchronous quorum."""
+    try:
+        from torchft.manager import Manager
+    except ImportError as e:  # the optional dependency: pip install "dlion-kernels[elastic]"
+        raise ImportError("manager= needs torchft (pip install 'dlion-kernels[elastic]')") from e
+    if not isinstance(manager, Manager):
+        raise TypeError(f"manager must be a torchft.Manager or None, got {type(manager).__name__}")
+    if getattr(manager, "_use_async_quorum", False):
+        raise ValueError(
+            "manager must be made with use_async_quorum=False: with an asynchronous quorum a "
+            "healing replica takes part in the step's collectives before it has healed, and a "
+            "1-bit vote cannot abstain")
+
+
+def check_heal_momentum(heal_momentum) -> None:
+    if heal_momentum not in HEAL_MOMENTUM:
+        raise ValueError(f"heal_momentum must be one of {HEAL_MOMENTUM}, got {heal_momentum!r}")
+
+
+def _register(manager, name: str, load, save) -> str:
+    """Register ``load``/``save`` for recovery under a key no other object of this process took
+    (every replica makes its objects in the same order, so the keys match)."""
+    taken = getattr(manager, "_user_state_dicts", {})
+    k = 0
+    while f"{name}.{k}" in taken:
+        k += 1
+    key = f"{name}.{k}"
+    manager.register_state_dict_fn(key, load, save)
+    return key
+
+
+class ManagerGroup:
+    """The manager's process group of one quorum, as the exchange's collectives call a group:
+    ``dist.all_to_all_single`` and ``dist.all_gather_single`` (and Nesterov's
+    ``dist.all_reduce``) call these methods on the group they are given. torchft's group
+    provides ``alltoall_base``, ``allgather`` and ``allreduce`` on the group it reconfigured at
+    this step's quorum; ``n`` is the quorum's number of participants."""
+
+    def __init__(self, pg, n: int):
+        self.pg, self.n = pg, int(n)
+        name = str(pg.getBackendName()).lower()
+        self.backend_name = "nccl" if "nccl" in name else "gloo"  # check_group_device reads it
+
+    def size(self) -> int:
+        return self.n
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        even = [input.shape[0] // self.n] * self.n  # the exchange always splits evenly
+        return self.pg.alltoall_base(output, input, list(output_split_sizes) or even,
+                                     list(input_split_sizes) or even, opts)
+
+    def all_gather_single(self, output, input, opts):
+        return self.pg.allgather([list(output.chunk(self.n))], [input], opts)
+
+    def allreduce(self, tensors, opts):
+        return self.pg.allreduce(tensors, opts)
+
+
+def _quorum_group(manager) -> ManagerGroup:
+    return ManagerGroup(manager._pg, max(1, manager.num_participants()))
+
+
+def _copy_into(targets, saved, what: str) -> None:
+    if len(saved) != len(targets) or any(tuple(s.shape) != tuple(t.shape)
+                                         for s, t in zip(saved, targets)):
+        raise ValueError(f"the {what} a peer sent for healing do not match this replica's: every "
+                         "replica must build the same model and optimizer")
+    with torch.no_grad():
+        for t, s in zip(targets, saved):
+            t.copy_(s)
+
+
+# ----------------------------------------------------------------------------- DistributedLion
+
+
+class ElasticLion:
+    """``DistributedLion(..., manager=)``'s steps (module docstring)."""
+
+    def __init__(self, opt, manager, heal_momentum: str = "own"):
+        check_manager(manager)
+        check_heal_momentum(heal_momentum)
+        if opt.overlap or opt.ranks_per_node > 1 or opt.sharded or opt.group is not None:
+            raise ValueError("manager= runs flat parameters on the manager's process group: it "
+                             "does not combine with overlap=True, hierarchy, device_mesh or group")
+        self.opt, self.manager, self.heal_momentum = opt, manager, heal_momentum
+        self.quorum_open = False
+        self.key = _register(manager, "dlion_kernels.DistributedLion", self._load, self._save)
+
+    def _params(self) -> list:
+        return [p for g in self.opt.param_groups for p in g["params"] if p.requires_grad]
+
+    def _momentum(self, p):
+        state = self.opt.state[p]
+        if "exp_avg" not in state:
+            state["step"] = state.get("step", 0)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return state["exp_avg"]
+
+    def start_quorum(self) -> None:
+        """This step's quorum (once per step; healing happens here)."""
+        if not self.quorum_open:
+            self.manager.start_quorum()
+            self.quorum_open = True
+
+    def step(self) -> None:
+        opt, manager = self.opt, self.manager
+        self.start_quorum()
+        self.quorum_open = False
+        params = self._params()
+        segments, rows = [], []
+        for g in opt.param_groups:
+            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            seg = Segment([], [], [], float(g["lr"]), beta1, beta2, float(g["weight_decay"]))
+            segments.append(seg)
+            rows += [(p, seg) for p in g["params"] if p.requires_grad]
+        grads = [p.grad for p, _ in rows]
+        momenta = [self._momentum(p) for p, _ in rows]
+        check_tensors([p for p, _ in rows], grads, momenta)  # bad input raises on every replica
+        step = manager.current_step()  # the same on every participant after the quorum
+        group = _quorum_group(manager)
+        device = params[0].device if params else torch.device("cpu")
+        ex, failed = None, manager.errored() is not None
+        if not failed:
+            try:
+                ex = Exchange(device=device, mode=opt.mode, votes=opt.votes, group=group,
+                              backend=opt.backend, step=step, nonfinite=opt.nonfinite,
+                              timeout=getattr(opt, "timeout", None))
+                offsets, blocks = block_offsets(p.numel() for p, _ in rows)
+                ex.add([ex.row(p, g, m, off, seg) for (p, seg), g, m, off
+                        in zip(rows, grads, momenta, offsets)], blocks)
+                ex.abandon()  # every collective of the step is done; nothing applied yet
+            except Exception as e:  # a peer died: the step is dropped everywhere, not raised
+                manager.report_error(e)
+                failed = True
+        committed = manager.should_commit()
+        stats = None
+        if committed and not failed:
+            stats = ex.finish()  # the apply (raises NonFiniteGradientError alike everywhere)
+        for p in params:
+            self.opt.state[p]["step"] = manager.current_step()
+        n = group.n
+        base = stats or StepStats(ex.sent if ex else 0, ex.sent if ex else 0,
+                                  sum(p.numel() for p in params), n, opt.mode, opt.votes,
+                                  ex.backend if ex else "none", skipped=True)
+        opt.last_stats = ElasticStepStats(
+            base.bytes_sent, base.bytes_received, base.numel, n, base.mode, base.votes,
+            base.backend, skipped=base.skipped or not committed, buckets=base.buckets,
+            participants=n, committed=committed and not failed,
+            manager_step=manager.current_step())
+
+    def _save(self) -> dict:
+        params = self._params()
+        out = {"params": [p.detach().clone() for p in params],
+               "step": max((self.opt.state[p].get("step", 0) for p in params), default=0)}
+        if self.heal_momentum == "peer":
+            out["exp_avg"] = [self._momentum(p).clone() for p in params]
+        return out
+
+    def _load(self, saved: dict) -> None:
+        params = self._params()
+        _copy_into(params, saved["params"], "parameters")
+        if self.heal_momentum == "peer":
+            _copy_into([self._momentum(p) for p in params], saved["exp_avg"], "momenta")
+        elif self.heal_momentum == "zero":
+            for p in params:
+                self._momentum(p).zero_()
+        for p in params:
+            self._momentum(p)
+            self.opt.state[p]["step"] = int(saved["step"])
+
+
+# ----------------------------------------------------------------------------- DiLoCo
+
+
+@dataclass(frozen=True)
+class ElasticSyncStats:
+    """A sync on torchft's quorum: the ``SyncStats`` of the sync (``sync``; its fields read
+    through, ``world_size`` being the sync's number of participating replicas), ``participants``,
+    ``committed`` (what ``should_commit`` said; False: theta_bar and the outer momenta are
+    unchanged and the fragment's parameters went back to theta_bar) and ``manager_step`` (the
+    manager's step count after it)."""
+
+    sync: object
+    participants: int = 0
+    committed: bool = False
+    manager_step: int = 0
+
+    def __getattr__(self, name):
+        if name == "sync":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.sync, name)
+
+
+def check_diloco(*, group, device_mesh, overlap_steps, outer, outer_options) -> None:
+    """The arguments ``DiLoCo(..., manager=)`` takes (module docstring, Limits)."""
+    if outer not in ("dlion", "nesterov") or outer_options is not None:
+        raise ValueError("DiLoCo with manager= runs the plain outer steps: outer='dlion' or "
+                         f"'nesterov' with outer_options=None, got outer={outer!r}, "
+                         f"outer_options={outer_options!r}")
+    if group is not None or device_mesh is not None:
+        raise ValueError("DiLoCo with manager= syncs over the manager's process group: pass "
+                         "group=None and device_mesh=None (one process per replica)")
+    if overlap_steps:
+        raise ValueError(f"DiLoCo with manager= needs overlap_steps=0 (a sync's quorum and commit "
+                         f"close within the step), got {overlap_steps}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("DiLoCo with manager= runs one process per replica; this process's "
+                         "default process group has several ranks")
+
+
+class ElasticDiLoCo:
+    """``DiLoCo(..., manager=)``'s syncs (module docstring)."""
+
+    def __init__(self, diloco, manager, sync_stats, heal_momentum: str = "own"):
+        check_manager(manager)
+        check_heal_momentum(heal_momentum)
+        self.d, self.manager, self.heal_momentum = diloco, manager, heal_momentum
+        self.sync_stats = sync_stats  # DiLoCo's SyncStats class
+        self.key = _register(manager, "dlion_kernels.DiLoCo", self._load, self._save)
+
+    def step(self):
+        d, manager = self.d, self.manager
+        t = d.inner_step + 1
+        if frag.due(t, d.sync_every, d.fragments) is None:
+            d.inner_step = t
+            return None
+        manager.start_quorum()  # may heal: inner step, theta_bar, parameters
+        t = d.inner_step + 1
+        f = frag.due(t, d.sync_every, d.fragments)
+        group = _quorum_group(manager)
+        n = group.n
+        failed = manager.errored() is not None or f is None
+        fragment = d._fragments[f if f is not None else 0]
+        ex = summed = None
+        if not failed:
+            try:
+                grad = fragment.pseudo_gradient()
+                if d.outer == "dlion":
+                    ex = Exchange(device=fragment.theta.device, mode=d.mode, votes=d.votes,
+                                  group=group, backend=d.backend, step=t,
+                                  nonfinite=d.nonfinite, timeout=d.timeout)
+                    ex.add([ex.row(x, g, m, off, fragment.segment) for x, g, m, off in zip(
+                        fragment.views(fragment.theta), fragment.views(grad),
+                        fragment.views(fragment.momentum), fragment.offsets)], fragment.blocks)
+                    ex.abandon()  # every collective of the sync is done; nothing applied yet
+                else:
+                    summed = grad
+                    if n > 1:
+                        collective(ALL_REDUCE, t, dist.all_reduce, summed, group=group)
+            except Exception as e:  # a peer died: the sync is dropped everywhere, not raised
+                manager.report_error(e)
+                failed = True
+        committed = manager.should_commit() and not failed
+        skipped, sent = True, 0
+        if ex is not None:
+            sent = ex.sent
+        if committed:
+            if ex is not None:
+                skipped = ex.finish().skipped  # the apply (raises on a non-finite alike)
+            else:
+                mean = summed.div_(n) if n > 1 else summed
+                skipped = not bool(torch.isfinite(mean).all())
+                if skipped and d.nonfinite == "raise":
+                    raise NonFiniteGradientError(
+                        f"DiLoCo sync at inner step {t}: a pseudo-gradient holds inf or NaN on at "
+                        "least one replica; nothing was applied on any replica")
+                if not skipped:
+                    d._nesterov(fragment, mean)
+                sent = round(gossip_bytes_per_step(fragment.numel, 4, n))
+        # theta_i = theta_bar: the new one, or (not committed) the last synced one, so a
+        # replica never carries a window that was not synced into the next
+        fragment.set_params()
+        d.inner_step = t
+        stats = self.sync_stats(step=t, applied_step=t, fragment=fragment.index, outer=d.outer,
+                          numel=fragment.numel, world_size=n, bytes_sent=sent,
+                          bytes_received=sent, skipped=skipped,
+                          mode=d.mode if d.outer == "dlion" else None,
+                          votes=d.votes if d.outer == "dlion" else None,
+                          backend=ex.backend if ex is not None else None)
+        d.last_stats = ElasticSyncStats(stats, participants=n, committed=committed,
+                                        manager_step=manager.current_step())
+        d.bytes_sent += sent
+        return d.last_stats
+
+    def _params(self) -> list:
+        return [p for f in self.d._fragments for p in f.params]
+
+    def _peer_momentum(self) -> bool:
+        # Nesterov's u is built from the mean pseudo-gradient: the same on every replica, part
+        # of the shared state (only D-Lion's momenta are private to a replica)
+        return self.heal_momentum == "peer" or self.d.outer == "nesterov"
+
+    def _save(self) -> dict:
+        d = self.d
+        out = {"inner_step": d.inner_step, "theta_bar": [f.theta.clone() for f in d._fragments],
+               "params": [p.detach().clone() for p in self._params()]}
+        if self._peer_momentum():
+            out["momentum"] = [f.momentum.clone() for f in d._fragments]
+        return out
+
+    def _load(self, saved: dict) -> None:
+        d = self.d
+        _copy_into([f.theta for f in d._fragments], saved["theta_bar"], "theta_bar")
+        _copy_into(self._params(), saved["params"], "parameters")
+        if self._peer_momentum():
+            _copy_into([f.momentum for f in d._fragments], saved["momentum"], "outer momenta")
+        elif self.heal_momentum == "zero":
+            for f in d._fragments:
+                f.momentum.zero_()
+        d.inner_step = int(saved["inner_step"])
+
+
+__all__ = ["ElasticStepStats", "ElasticSyncStats", "ManagerGroup", "ElasticLion", "ElasticDiLoCo",
+           "HEAL_MOMENTUM"]
