@@ -346,6 +346,11 @@ def test_manager_is_checked_and_torchft_is_imported_only_with_one():
         dk.DistributedLion(model.parameters(), manager=manager, overlap=True)
     with pytest.raises(ValueError, match="overlap_steps=0"):
         dk.DiLoCo(model, inner, sync_every=4, overlap_steps=1, manager=manager)
+    with pytest.raises(ValueError, match="plain outer steps"):
+        dk.DiLoCo(model, inner, sync_every=4, outer="sparseloco", manager=manager)
+    with pytest.raises(ValueError, match="plain outer steps"):
+        dk.DiLoCo(model, inner, sync_every=4, manager=manager,
+                  outer_options=dk.DLionOuterOptions(error_feedback=True))
     # without a manager torchft is never imported
     code = ("import sys, torch, dlion_kernels as dk; m = torch.nn.Linear(2, 2); "
             "dk.DistributedLion(m.parameters()); "
