@@ -33,6 +33,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from dlion_kernels.accounting import ring_all_reduce_bytes  # noqa: E402
 from dlion_kernels.kernels.layout import WORD_BYTES  # noqa: E402
 
 DLION_VARIANTS = [("vote", "binary"), ("vote", "ternary"), ("average", "binary"),
@@ -54,7 +55,7 @@ def spec_bytes(mode: str, votes: str, n: int, d: int) -> float:
 
 def allreduce_bytes(n: int, d: int, elem_bytes: int) -> float:
     """Ring all-reduce: every rank sends 2 (n-1)/n of the buffer."""
-    return 2 * (n - 1) / n * elem_bytes * d
+    return ring_all_reduce_bytes(n, elem_bytes * d)
 
 
 def packed_sizes(mode: str, votes: str, n: int, d: int) -> tuple[int, int, int]:

@@ -93,6 +93,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..accounting import fsdp_unit_bytes
 from ..kernels.layout import (
     BLOCK,
     HEADER_WORDS,
@@ -539,12 +540,14 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
     tensors = max(1, math.ceil(w.tensors / len(sizes)))
     reduce_bytes = wire_bytes if sync == "allreduce" else 4
     gather = {s: all_gather(cl, intra_g, s / L * w.param_bytes) for s, _ in _counts(sizes)}
+    # Between nodes, per unit once its backward is done: HSDP's all-reduce of the shard among
+    # the N replicas, or D-Lion's exchange of it (overlap)
+    across = {s: all_reduce(cl, inter_g, s / L * wire_bytes) if sync == "allreduce"
+              else dlion_exchange(cl, inter_g, s / L, tensors, mode) if overlap else Cost()
+              for s, _ in _counts(sizes)}
 
     def after(s):  # a unit's collectives once its backward is done
-        c = reduce_scatter(cl, intra_g, s * reduce_bytes)
-        if sync == "allreduce":
-            return c + all_reduce(cl, inter_g, s / L * wire_bytes)
-        return c + dlion_exchange(cl, inter_g, s / L, tensors, mode) if overlap else c
+        return reduce_scatter(cl, intra_g, s * reduce_bytes) + across[s]
 
     done = {s: after(s) for s, _ in _counts(sizes)}
     votes = headers = Cost()
@@ -552,6 +555,13 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
         headers = all_gather(cl, intra_g, N * HEADER_WORDS * WORD_BYTES)
         if not overlap:
             votes = dlion_exchange(cl, inter_g, w.d / L, w.tensors, mode)
+    # Bytes: FSDP2's collectives in the node by their byte model (every unit gathered twice);
+    # between nodes what the replica all-reduce (ring, or tree where the cluster runs tree) or
+    # D-Lion's exchange sends.
+    fsdp = sum(fsdp_unit_bytes(s / L, s / L * w.param_bytes, L, N, reduce_bytes=reduce_bytes)[0]
+               for s in sizes)
+    other = sum((across[s] for s in sizes), Cost()) + votes + headers
+    intra, inter = fsdp + other.intra_bytes, other.inter_bytes
     opt = w.opt / L
     local = opt * LOCAL_FRACTION if sync == "dlion" else 0.0
     wait = expected_max(cl.n, w.jitter, w.dist)
@@ -587,8 +597,8 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
         name = "fsdp-dlion" + ("-overlap" if overlap else "")  # vote: FSDP2's one mode
         options = {"kind": "fsdp", "sync": sync, "mode": mode, "votes": "binary",
                    "overlap": overlap}
-    return Row(name, step, compute, wait, total.ms, step - compute - wait, total.bytes,
-               total.intra_bytes, total.inter_bytes, len(sizes), "+".join(
+    return Row(name, step, compute, wait, total.ms, step - compute - wait, intra + inter,
+               intra, inter, len(sizes), "+".join(
                    dict.fromkeys(a for a in total.algorithm.split("+") if a)), options,
                *_memory(w, L, L))
 
