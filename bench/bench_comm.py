@@ -44,7 +44,7 @@ DLION_VARIANTS = [("vote", "binary"), ("vote", "ternary"), ("average", "binary")
 
 
 def spec_bytes(mode: str, votes: str, n: int, d: int) -> float:
-    """SPEC §2: bytes one rank sends per step (ternary rows are upper bounds)."""
+    """The wire format's bytes one rank sends per step (ternary rows are upper bounds)."""
     frac = (n - 1) / n * d / 8
     if votes == "binary":
         down = 1 if mode == "vote" else math.ceil(math.log2(n + 1))
@@ -314,10 +314,10 @@ def main(argv=None) -> int:
     ], title="Time per step (gloo, loopback)"))
     md.append(common.markdown_table(rows, [
         ("n", "n"), ("d_human", "d"), ("variant", "variant"),
-        ("bytes_sent", "bytes sent (StepStats)"), ("bytes_formula", "SPEC §2 formula"),
+        ("bytes_sent", "bytes sent (StepStats)"), ("bytes_formula", "wire format formula"),
         ("formula_kind", "formula"), ("padding_bytes", "measured - formula"),
         ("bytes_vs_fp32_allreduce", "fp32 AR bytes / bytes", ".2f"),
-    ], title="Bytes sent per rank per step vs SPEC §2"))
+    ], title="Bytes sent per rank per step vs the wire format's formulas"))
     md.append(common.markdown_table(compute, [
         ("d_human", "d"), ("variant", "variant"), ("backend", "backend"),
         ("t_ms", "step ms", ".2f"), ("ns_per_element", "ns/element", ".2f"),
