@@ -38,7 +38,7 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``lion-allreduce`` / ``lion-allreduce-bf16``: DDP, one all-reduce per bucket started when the
   bucket is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
-  aggregate, apply; nothing overlapped (SPEC §2 bytes, plus the HEADER_WORDS int32 words of the
+  aggregate, apply; nothing overlapped (the wire format's bytes, plus the HEADER_WORDS int32 words of the
   non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
@@ -46,7 +46,8 @@ intervals during backward; one communication channel, buckets exchanged in order
   gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
   inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
   does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
-  on all elements (on 1/L with gathered parameters).
+  on all elements, x only, and the momentum update on 1/L (the whole apply on 1/L with gathered
+  parameters).
 - ``fsdp-allreduce[-bf16]`` and ``fsdp-dlion[-overlap]`` (SPEC §10, L > 1):
   FSDP2 in nodes of L, each bucket one FSDP unit. Forward: each unit's parameter shards are
   all-gathered in the node (prefetched one unit ahead on the one channel) before its compute;
@@ -111,10 +112,15 @@ JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-# Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
-# 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
-LOCAL_FRACTION = 12.125 / 20.5
+# Bytes per fp32 element of D-Lion's fused stages (bench_kernels.py): local step 8.125 (reads
+# g and m, writes the votes), tally 0.25 (n = 1), apply 20.125 (reads x, g, m and the aggregate,
+# writes x and m); a whole step 28.5. What splits opt_ms between before the exchange (the local
+# step) and after it (tally and apply).
+LOCAL_FRACTION = 8.125 / 28.5
 APPLY_FRACTION = 1.0 - LOCAL_FRACTION
+# Hierarchical D-Lion applies to every element x only (x read and written, the aggregate: 8.125)
+# and updates the momentum of its shard alone (the rest of an apply: g read, m read and written).
+X_ONLY_FRACTION = 8.125 / 28.5
 OPT_BYTES_PER_PARAM = 20.5  # default opt_ms: one fused optimizer pass at mem_gbs
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -506,7 +512,7 @@ def _dlion_row(cl, w, mode, overlap, L):
     total = sum(costs, Cost())
     local, apply = opt * LOCAL_FRACTION, opt * APPLY_FRACTION
     if hier and w.hier_gather != "params":
-        apply = w.opt * APPLY_FRACTION
+        apply = w.opt * X_ONLY_FRACTION + opt * (APPLY_FRACTION - X_ONLY_FRACTION)
     start = w.fwd + wait
     if overlap:
         ready, acc = [], 0
