@@ -38,8 +38,8 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``lion-allreduce`` / ``lion-allreduce-bf16``: DDP, one all-reduce per bucket started when the
   bucket is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
-  aggregate, apply; nothing overlapped (the wire format's bytes, plus the HEADER_WORDS int32 words of the
-  non-finite flag and step counter that ride in every all_to_all chunk).
+  aggregate, apply; nothing overlapped (the wire format's bytes, plus the HEADER_WORDS int32
+  words of the non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
 - ``dlion-<mode>-hier[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
