@@ -118,6 +118,19 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def shown_command(argv: list[str]) -> str:
+    """A command line as results record it: the interpreter by name and version and the files of
+    this repository relative to its root, so that no path of the machine that ran it is kept."""
+    shown = []
+    for i, arg in enumerate(argv):
+        if i == 0 and arg == sys.executable:
+            arg = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        elif os.path.isabs(arg) and os.path.abspath(arg).startswith(REPO_ROOT + os.sep):
+            arg = os.path.relpath(arg, REPO_ROOT)
+        shown.append(arg)
+    return shlex.join(shown)
+
+
 def metadata(extra: dict | None = None) -> dict:
     """Where and how the benchmark ran: host, CPU, GPU, versions, date, exact command line."""
     import torch
@@ -154,7 +167,8 @@ def metadata(extra: dict | None = None) -> dict:
         "git_commit": _git_commit(),
         "available_backends_cpu": backends,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable] + sys.argv),
+        "command": shown_command([sys.executable] + sys.argv),
+        "interpreter": f"{platform.python_implementation()} {platform.python_version()}",
     }
     if extra:
         meta.update(extra)

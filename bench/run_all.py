@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import threading
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
         sub = os.path.join(out, folder)
         os.makedirs(sub, exist_ok=True)
         cmd = part_command(part, sub, args)
-        res = {"part": part, "folder": folder, "command": shlex.join(cmd)}
+        res = {"part": part, "folder": folder, "command": common.shown_command(cmd)}
         print(f"\n===== {part}: {res['command']}", flush=True)
         t0 = time.time()
         if part == "pytest" and importlib.util.find_spec("pytest_benchmark") is None:

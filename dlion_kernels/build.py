@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .accounting import fsdp_unit_bytes, ring_all_reduce_bytes
 from .decentralized.wrapper import DecentralizedDataParallel
 from .exchange.collectives import gather_into_tensor, reduce_scatter_into_tensor
 from .exchange.sharded import local, memory_per_rank
@@ -204,11 +205,6 @@ def _node_groups(L: int):
 # ----------------------------------------------------------------------------- builders
 
 
-def _ring_bytes(p: int, nbytes: float) -> int:
-    """What one rank of a ring all-reduce of ``nbytes`` over p ranks sends: 2 (p-1)/p S."""
-    return round(2 * (p - 1) / p * nbytes) if p > 1 else 0
-
-
 def _local_optimizer(name: str, params, s: Settings, group):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=s.adamw_lr, weight_decay=s.weight_decay)
@@ -234,10 +230,10 @@ def _allreduce(strategy: Strategy, model, n: int, s: Settings) -> Built:
         ddp.register_comm_hook(_node_groups(L), _hier_hook)
     opt = _local_optimizer(strategy.optimizer, list(model.parameters()), s, _solo_group())
     if wire == "hier-fp32":  # reduce-scatter + all-gather in the node, the shard's ring across
-        inter = _ring_bytes(n // L, 4 * d / L)
-        sent = (2 * round((L - 1) / L * 4 * d) + inter, inter)
+        inter = round(ring_all_reduce_bytes(n // L, 4 * d / L))
+        sent = (round(ring_all_reduce_bytes(L, 4 * d)) + inter, inter)
     else:
-        sent = (_ring_bytes(n, (4 if wire == "fp32" else 2) * d), None)
+        sent = (round(ring_all_reduce_bytes(n, (4 if wire == "fp32" else 2) * d)), None)
     return Built(strategy, model, ddp, opt, lambda: sent, "formula")
 
 
@@ -351,19 +347,18 @@ def _padded_shard(p, L: int) -> int:
 
 def _fsdp_bytes(units, model, L: int, N: int, reduce_bytes: int, hsdp: bool):
     """(bytes inside the node, bytes between nodes) a rank sends per step in FSDP2's own
-    collectives, by the ring formulas: per unit an all-gather of the parameter shards in forward and
-    again in backward (the root's parameters stay unsharded in between), a reduce-scatter of
-    the gradients in ``reduce_bytes`` per element; with HSDP the all-reduce of the shard among the N
-    replicas. Checked against the counted collectives in python_tests/test_build.py."""
+    collectives (``accounting.fsdp_unit_bytes`` per unit, the root gathered once: its parameters
+    stay unsharded between forward and backward), the gradients in ``reduce_bytes`` per element.
+    Checked against the counted collectives in python_tests/test_build.py."""
     own = {id(p) for u in units for p in u.parameters()}
     root = [p for p in model.parameters() if id(p) not in own]
     intra = inter = 0
     for params, gathers in [(list(u.parameters()), 2) for u in units] + [(root, 1)]:
         shard = sum(_padded_shard(p, L) for p in params)
         gathered = sum(_padded_shard(p, L) * p.element_size() for p in params)
-        intra += (L - 1) * (gathers * gathered + shard * reduce_bytes)
-        if hsdp:
-            inter += _ring_bytes(N, reduce_bytes * shard)
+        a, b = fsdp_unit_bytes(shard, gathered, L, N, reduce_bytes=reduce_bytes, gathers=gathers,
+                               replicas_all_reduce=hsdp)
+        intra, inter = intra + round(a), inter + round(b)
     return intra, inter
 
 

@@ -1,8 +1,9 @@
 """The package's floors (docs/architecture.md), enforced on the source: every import of every
 module, read with ``ast`` (module- and function-level, relative and absolute), goes to a module
 of the same floor or a lower one; no two modules import each other, directly or round a longer
-cycle; no module imports another's private names; the torch-free modules import nothing but the
-standard library and each other; each wire constant and topology list has one home.
+cycle; no module imports another's private names or reaches into another module's private
+attributes (``obj._name`` with ``_name`` defined elsewhere); the torch-free modules import
+nothing but the standard library and each other; each wire constant and topology list has one home.
 
 A new module needs a floor in FLOORS (a prefix covers a whole package), and the table in
 docs/architecture.md says the same. KNOWN lists what other branches still owe: each entry names
@@ -27,6 +28,7 @@ FLOORS = [
     ("dlion_kernels.kernels.layout", 0),  # the wire format: blocks, bit planes, header words
     ("dlion_kernels.topologies", 0),  # gossip topologies: names, rules, schedules
     ("dlion_kernels.strategies", 0),  # the named strategies
+    ("dlion_kernels.accounting", 0),  # bytes of the collectives torch runs (all-reduce, FSDP2)
     ("dlion_kernels.plan", 0),  # the runtime model: numbers, not tensors
     ("dlion_kernels.kernels", 1),  # the fused stages on every backend
     ("dlion_kernels.launch", 1),  # local gloo ranks for tests, benchmarks and the demo
@@ -46,11 +48,26 @@ FLOORS = [
 # Importable without torch: floor 0, and the modules `python -m dlion_kernels.plan` loads first
 # (module level only: --measure imports torch inside a function).
 TORCH_FREE_AT_IMPORT = {"dlion_kernels.plan.__main__"}
-# One home for each fact: (module-level name) -> the module that defines it.
+# One home for each fact: (module-level name or function) -> the module that defines it.
 HOMES = {"BLOCK": "dlion_kernels.kernels.layout", "WORD_BYTES": "dlion_kernels.kernels.layout",
          "_WORD_BYTES": "dlion_kernels.kernels.layout",
          "HEADER_WORDS": "dlion_kernels.kernels.layout",
-         "TOPOLOGIES": "dlion_kernels.topologies", "STRATEGIES": "dlion_kernels.strategies"}
+         "TOPOLOGIES": "dlion_kernels.topologies", "STRATEGIES": "dlion_kernels.strategies",
+         "ring_all_reduce_bytes": "dlion_kernels.accounting",
+         "fsdp_unit_bytes": "dlion_kernels.accounting"}
+
+# Private attributes of code outside the package that the package reads on purpose, as
+# (module, attribute): the reason. Reaching into a dlion_kernels module never belongs here: give
+# that module a public name instead. An entry no longer used fails the test.
+THIRD_PARTY_PRIVATE = {
+    ("dlion_kernels.exchange.collectives", "_get_backend"):
+        "torch.distributed: a ProcessGroup tells its timeout only through its backend's options",
+    ("dlion_kernels.exchange.collectives", "_timeout"):
+        "torch.distributed: the backend options' timeout (public only as a constructor argument)",
+    ("dlion_kernels.optim.amp", "_per_optimizer_states"):
+        "torch.amp.GradScaler keeps each optimizer's found_inf tensors only there, and update() "
+        "sums them: the overflow vote every rank agrees on must be written back there",
+}
 
 # What other branches still owe (issue 18), as (rule, module[, what it imports or defines]).
 KNOWN: set = set()
@@ -158,6 +175,44 @@ def _internal(target: str) -> str | None:
     return target
 
 
+def private_attributes(source: str) -> list[tuple[int, str, str]]:
+    """Reach-ins of one module's source: (line, expression, attribute) for each ``x._name``
+    (read, written or deleted; single underscore, not a dunder) where ``x`` is not ``self`` or
+    ``cls``, ``_name`` is not defined in this module (a def, class, assigned name, or attribute of
+    ``self``/``cls``), and ``x`` does not start from a name imported from outside the package
+    (``torch._foreach_add_``, ``os._exit``: the third party's own business)."""
+    tree = ast.parse(source)
+    defined, outside = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Import):
+            outside |= {a.asname or a.name.split(".")[0] for a in node.names
+                        if a.name.split(".")[0] != PACKAGE}
+        elif isinstance(node, ast.ImportFrom) and not node.level \
+                and node.module.split(".")[0] != PACKAGE:
+            outside |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")) or node.attr in defined:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        root = node.value
+        while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if isinstance(root, ast.Name) and root.id in outside:
+            continue
+        found.append((node.lineno, ast.unparse(node), node.attr))
+    return sorted(found)
+
+
 def _check(found: list, known_kind: str, key: tuple, message: str, errors: list, used: set):
     if (known_kind, *key) in KNOWN:
         used.add((known_kind, *key))
@@ -251,12 +306,24 @@ def _violations():
             tree = ast.parse(f.read(), path)
         for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, ast.AnnAssign) else []
+                [node.target] if isinstance(node, ast.AnnAssign) else \
+                [ast.Name(node.name)] if isinstance(node, ast.FunctionDef) else []
             for t in targets:
                 if isinstance(t, ast.Name) and t.id in HOMES and HOMES[t.id] != module:
                     _check(seen, "home", (module, t.id),
                            f"{_where(module, node.lineno)}: {module} defines {t.id}; its one "
                            f"home is {HOMES[t.id]}", errors, used)
+        # private attributes of other modules
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        for line, expr, attr in private_attributes(source):
+            if (module, attr) in THIRD_PARTY_PRIVATE:
+                used.add(("third-party", module, attr))
+                continue
+            _check(seen, "private-attribute", (module, attr),
+                   f"{_where(module, line)}: {module} reaches into the private attribute "
+                   f"{expr} ({attr} is not defined in {module}: give its home a public name)",
+                   errors, used)
     return errors, used
 
 
@@ -275,6 +342,8 @@ def test_floors_cycles_private_names_torch_and_homes():
     assert not errors, "\n".join(errors)
     stale = KNOWN - used
     assert not stale, f"fixed: remove these entries from KNOWN: {sorted(stale)}"
+    unused = {("third-party", *k) for k in THIRD_PARTY_PRIVATE} - used
+    assert not unused, f"no longer used: remove from THIRD_PARTY_PRIVATE: {sorted(unused)}"
 
 
 def test_the_architecture_page_states_the_same_floors():
@@ -296,6 +365,9 @@ def test_the_architecture_page_states_the_same_floors():
     ("def f():\n    from .. import build\n", "upward"),
     ("from .pipeline import _private\n", "private"),
     ("import dlion_kernels\n", "upward"),
+    ("from . import pipeline\n\ndef f(opt):\n    return pipeline._engine(opt)\n",
+     "private attribute"),
+    ("def f(opt):\n    opt._ddp_hooked = True\n", "private attribute"),
 ])
 def test_the_checker_finds_violations(tmp_path, monkeypatch, source, kind):
     """A module of floor 2 written with a bad import is caught, function-level imports too."""
@@ -308,6 +380,56 @@ def test_the_checker_finds_violations(tmp_path, monkeypatch, source, kind):
     monkeypatch.setitem(IMPORTS, name, visitor.found)
     errors, _ = _violations()
     assert any(name in e and kind.replace("upward", "imports") in e for e in errors), errors
+
+
+def _planted(tmp_path, monkeypatch, source: str) -> list[str]:
+    """The checker's errors with ``source`` planted as dlion_kernels/exchange/probe.py."""
+    name = "dlion_kernels.exchange.probe"
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, name, str(path))
+    visitor = _Imports(name, False)
+    visitor.visit(ast.parse(source))
+    monkeypatch.setitem(IMPORTS, name, visitor.found)
+    where = os.path.relpath(str(path), ROOT)
+    return [e.replace(where, "probe.py") for e in _violations()[0] if name in e]
+
+
+def test_the_checker_names_a_planted_reach_in_and_upward_import(tmp_path, monkeypatch):
+    errors = _planted(tmp_path, monkeypatch, (
+        "from ..optim import dlion\n"
+        "\n"
+        "def hook(opt, params, grads):\n"
+        "    opt._exchange_bucket(params, grads)\n"))
+    assert errors == [
+        "probe.py:1: dlion_kernels.exchange.probe (floor 2) imports "
+        "dlion_kernels.optim.dlion (floor 3)",
+        "probe.py:4: dlion_kernels.exchange.probe reaches into the "
+        "private attribute opt._exchange_bucket (_exchange_bucket is not defined in "
+        "dlion_kernels.exchange.probe: give its home a public name)"], errors
+
+
+def test_the_private_attribute_rule_spares_own_and_third_party_names(tmp_path, monkeypatch):
+    """``self._x``, a private name defined in the same module (another instance's too), and
+    private API reached from a name imported from outside the package are not reach-ins."""
+    source = (
+        "import os\n"
+        "import torch\n"
+        "from torch.distributed import group as g\n"
+        "\n"
+        "class Box:\n"
+        "    def __init__(self):\n"
+        "        self._items = []\n"
+        "\n"
+        "    def merge(self, other):\n"
+        "        self._items += other._items\n"
+        "        torch._foreach_add_(self._items, 1)\n"
+        "        g.WORLD._get_backend\n"
+        "        os._exit(0)\n")
+    assert private_attributes(source) == []
+    assert _planted(tmp_path, monkeypatch, source) == []
+    assert private_attributes("def f(box):\n    del box._items\n") == [
+        (2, "box._items", "_items")]
 
 
 def test_the_checker_finds_cycles(monkeypatch):

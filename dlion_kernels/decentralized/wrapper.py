@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..accounting import ring_all_reduce_bytes
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
 from ..exchange.collectives import as_timedelta, collective, wait
 from .topology import Topology
@@ -400,9 +401,7 @@ class DecentralizedDataParallel(torch.nn.Module):
 
 def gossip_bytes_per_step(numel: int, element_size: int, group_size: int) -> float:
     """Bytes a rank sends per step for a ring all-reduce of numel elements in its group."""
-    if group_size <= 1:
-        return 0.0
-    return 2 * (group_size - 1) / group_size * numel * element_size
+    return ring_all_reduce_bytes(group_size, numel * element_size)
 
 
 __all__ = ["DecentralizedDataParallel", "gossip_bytes_per_step"]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dlion_kernels import strategies
+from dlion_kernels.accounting import ring_all_reduce_bytes
 from dlion_kernels.build import Settings
 from dlion_kernels.launch import spawn
 
@@ -166,7 +167,7 @@ def _whole(p):
 def allreduce_fp32_bytes(numel: int, n: int) -> int:
     """What a ring all-reduce of fp32 gradients sends per rank, 2 (n-1)/n * 4d: the tables'
     reference."""
-    return round(2 * (n - 1) / n * 4 * numel)
+    return round(ring_all_reduce_bytes(n, 4 * numel))
 
 
 def launch(run, n: int, args):

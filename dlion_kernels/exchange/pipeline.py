@@ -98,8 +98,9 @@ class StepStats:
     @property
     def allreduce_fp32_bytes(self) -> int:
         """Bytes a ring all-reduce of fp32 gradients would send per rank: 2 (n-1)/n * 4d."""
-        n = self.world_size
-        return round(2 * (n - 1) / n * 4 * self.numel)
+        from ..accounting import ring_all_reduce_bytes
+
+        return round(ring_all_reduce_bytes(self.world_size, 4 * self.numel))
 
 
 @dataclass

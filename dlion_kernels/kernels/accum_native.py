@@ -24,7 +24,7 @@ _backends: dict = {}
 
 def backend(name: str):
     reason = native.problem(name)
-    if reason is None and not hasattr(native._load(), "cpu_accum_adamw"):
+    if reason is None and not hasattr(native.load_module(), "cpu_accum_adamw"):
         reason = "the native module was built without the accum kernels: rebuild it"
     if reason is not None:
         raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
@@ -35,7 +35,7 @@ def backend(name: str):
 
 class _AccumBackend:
     def __init__(self, cuda: bool):
-        self._C = native._load()
+        self._C = native.load_module()
         self.cuda = cuda
         self._chunk = self._C.cuda_accum_chunk_elems() if cuda else 0
         self._tables: OrderedDict = OrderedDict()
@@ -62,7 +62,7 @@ class _AccumBackend:
             table = table.to(lists[0][0].device)
         entry = (table, len(numels), chunks)
         self._tables[key] = entry
-        if len(self._tables) > native._TABLE_CACHE_SIZE:
+        if len(self._tables) > native.TABLE_CACHE_SIZE:
             self._tables.popitem(last=False)
         return entry
 
@@ -79,7 +79,7 @@ class _AccumBackend:
             return
         s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, accum_steps, step)
         args = (*(s[k] for k in ADAMW_SCALARS), k1, step % accum_steps == 0)
-        code = native._DTYPE_CODES[params[0].dtype]
+        code = native.DTYPE_CODES[params[0].dtype]
         if self.cuda:
             self._C.cuda_accum_adamw(table.data_ptr(), count, chunks, code, *args, *device)
         else:
@@ -95,7 +95,7 @@ class _AccumBackend:
             return
         s = lion_scalars(lr, beta1, beta2, weight_decay, accum_steps)
         args = (*(s[k] for k in LION_SCALARS), k1, step % accum_steps == 0)
-        code = native._DTYPE_CODES[params[0].dtype]
+        code = native.DTYPE_CODES[params[0].dtype]
         if self.cuda:
             self._C.cuda_accum_lion(table.data_ptr(), count, chunks, code, *args, *device)
         else:

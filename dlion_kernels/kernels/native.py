@@ -29,16 +29,16 @@ from . import reference
 from .errors import BackendUnavailable
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _REBUILD = "reinstall with `pip install -e .` (or `pip install .`) from the source tree"
-_TABLE_CACHE_SIZE = 64
+TABLE_CACHE_SIZE = 64
 
 _C = None
 _C_error: str | None = None
 _cuda_runtime_problem: str | None = None
 
 
-def _load():
+def load_module():
     """The native module, or None (the reason is kept in ``_C_error``)."""
     global _C, _C_error
     if _C is None and _C_error is None:
@@ -53,7 +53,7 @@ def _load():
 
 def build_info() -> str:
     """How the native module was built, or why it cannot be loaded."""
-    C = _load()
+    C = load_module()
     if C is None:
         return f"not available: {_C_error}"
     return f"{C.build_info()}; cpu kernels in use: {C.cpu_isa()}"
@@ -65,7 +65,7 @@ def problem(name: str) -> str | None:
     global _cuda_runtime_problem
     if name not in ("cpu", "cuda"):
         raise ValueError(f"native backends are 'cpu' and 'cuda', got {name!r}")
-    C = _load()
+    C = load_module()
     if C is None:
         return f"dlion_kernels.kernels._C is not built or cannot be loaded ({_C_error}): {_REBUILD}"
     if name == "cpu":
@@ -146,7 +146,7 @@ def device_args(cuda: bool, t: torch.Tensor):
 
 
 def _dtype_code(dtype: torch.dtype, what: str) -> int:
-    code = _DTYPE_CODES.get(dtype)
+    code = DTYPE_CODES.get(dtype)
     if code is None:
         raise TypeError(f"{what} must be float32, bfloat16 or float16, got {dtype}")
     return code
@@ -186,7 +186,7 @@ class _NativeBackend:
     """The stage functions on the C++ (``cuda=False``) or CUDA kernels of ``_C``."""
 
     def __init__(self, cuda: bool):
-        self._C = _load()
+        self._C = load_module()
         self.cuda = cuda
         self._chunk = self._C.cuda_chunk_elems() if cuda else 0
         self._tables: OrderedDict = OrderedDict()
@@ -216,7 +216,7 @@ class _NativeBackend:
 
     def _store(self, key, table: _Table) -> _Table:
         self._tables[key] = table
-        if len(self._tables) > _TABLE_CACHE_SIZE:
+        if len(self._tables) > TABLE_CACHE_SIZE:
             self._tables.popitem(last=False)
         return table
 
@@ -239,7 +239,7 @@ class _NativeBackend:
         key = ("local_step", g_dtype, *g_ptrs, *m_ptrs, *numels, *offsets)
         table = self._cached(key)
         if table is not None:
-            return table, _DTYPE_CODES[g_dtype]
+            return table, DTYPE_CODES[g_dtype]
         if not len(grads) == len(exp_avgs) == len(offsets):
             raise ValueError("grads, exp_avgs and offsets must have equal lengths")
         device = exp_avgs[0].device
@@ -299,7 +299,7 @@ class _NativeBackend:
                     row.append(value)
                 c_row.append(gp)
             table = self._store(key, _Table(rows, device, self._chunk, end_block, c_row))
-        return table, _DTYPE_CODES[p_dtype], _DTYPE_CODES[g_dtype]
+        return table, DTYPE_CODES[p_dtype], DTYPE_CODES[g_dtype]
 
     def _single_table(self, what, tensors, offsets) -> _Table:
         """A table of one tensor list (row a), e.g. the params of apply."""
@@ -431,6 +431,6 @@ class _NativeBackend:
         self._device_args(grads[0])
         table = self._single_table("grads", grads, [0] * len(grads))
         found = table.count > 0 and self._C.cpu_nonfinite(
-            table.address, table.count, _DTYPE_CODES[grads[0].dtype], torch.get_num_threads()
+            table.address, table.count, DTYPE_CODES[grads[0].dtype], torch.get_num_threads()
         )
         return torch.tensor([int(found)], dtype=torch.int32)

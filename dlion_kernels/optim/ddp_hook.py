@@ -25,7 +25,7 @@ from .dlion import DistributedLion
 def _dlion_hook(
     opt: DistributedLion, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    opt._exchange_bucket(list(bucket.parameters()), list(bucket.gradients()))
+    opt.exchange_bucket(bucket.parameters(), bucket.gradients())
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -51,7 +51,7 @@ def register_ddp_comm_hook(ddp_model, opt) -> None:
         raise ValueError("a DistributedLion over FSDP2 parameters (device_mesh) cannot run in "
                          "DDP's comm hook: FSDP2 reduces the gradients itself; call opt.step() "
                          "after backward, without DDP")
-    if opt._ddp_hooked:
+    if opt.ddp_hooked:
         raise RuntimeError("opt already runs the D-Lion exchange of a DDP model")
     if opt.ranks_per_node > 1:
         raise ValueError("a DistributedLion with hierarchy (L > 1) cannot run in DDP's comm "
@@ -72,7 +72,4 @@ def register_ddp_comm_hook(ddp_model, opt) -> None:
             f"of opt's are not in the model and {len(theirs - mine)} of the model's are not in "
             "opt")
     ddp_model.register_comm_hook(opt, _dlion_hook)  # DDP raises if a hook is already set
-    if opt._engine is not None:
-        opt._engine.remove()
-        opt._engine = None
-    opt._ddp_hooked = True
+    opt.attach_ddp_hook()

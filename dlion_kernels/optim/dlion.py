@@ -638,3 +638,25 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if self._sharding is not None:
             for p in self._trainable():
                 self._exp_avg(p)  # parameters the state_dict had no state for
+
+    # The interface of DDP's comm hook (optim/ddp_hook.py): DDP's buckets run the exchange.
+
+    @property
+    def ddp_hooked(self) -> bool:
+        """Whether a DDP model's comm hook runs this optimizer's bucket exchanges."""
+        return self._ddp_hooked
+
+    def attach_ddp_hook(self) -> None:
+        """Hand the bucket exchanges to a DDP comm hook: this optimizer's own backward hooks
+        (``overlap=True``) are removed, and ``step()`` finishes the buckets the hook started."""
+        if self._ddp_hooked:
+            raise RuntimeError("opt already runs the D-Lion exchange of a DDP model")
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        self._ddp_hooked = True
+
+    def exchange_bucket(self, params, grads) -> None:
+        """Start the exchange of one DDP bucket: ``params`` and their ``grads`` (DDP's views of
+        its flat buffer), laid out from block 0 in this order."""
+        self._exchange_bucket(list(params), list(grads))

@@ -31,7 +31,7 @@ def job_inputs(params: int, *, ranks_per_node: int | None = None, reps: int = 2)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("the runtime model needs an initialized default process group "
                            "(torch.distributed.init_process_group)")
-    n, L = measure._layout(ranks_per_node)
+    n, L = measure.layout(ranks_per_node)
     path = os.environ.get(ENV)
     if path:
         box = [None]

@@ -61,8 +61,9 @@ def _timed(fn, reps, device, group=None) -> float:
     return float(t.median())
 
 
-def _layout(ranks_per_node):
-    """L: ranks per node, from hostnames (and LOCAL_WORLD_SIZE), or as given."""
+def layout(ranks_per_node):
+    """(n, L) of the default group: its size and ranks per node, from hostnames (and
+    LOCAL_WORLD_SIZE), or L as given. Collective when ``ranks_per_node`` is None."""
     n, rank = dist.get_world_size(), dist.get_rank()
     if ranks_per_node is not None:
         L = int(ranks_per_node)
@@ -236,7 +237,7 @@ def measure(params, *, step_fn=None, ranks_per_node=None, reps=3, device=None):
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend \
             else torch.device("cpu")
-    n, L = _layout(ranks_per_node)
+    n, L = layout(ranks_per_node)
     rank = dist.get_rank()
     if n < 2:
         raise ValueError("--measure needs at least 2 ranks to time the links")

@@ -38,15 +38,16 @@ intervals during backward; one communication channel, buckets exchanged in order
 - ``lion-allreduce`` / ``lion-allreduce-bf16``: DDP, one all-reduce per bucket started when the
   bucket is ready; the optimizer runs after the last one. Exposed = comm end - backward end.
 - ``dlion-<mode>``: local step, all_to_all_single of the packed votes, all_gather of the packed
-  aggregate, apply; nothing overlapped (SPEC §2 bytes, plus the HEADER_WORDS int32 words of the
-  non-finite flag and step counter that ride in every all_to_all chunk).
+  aggregate, apply; nothing overlapped (the wire format's bytes, plus the HEADER_WORDS int32
+  words of the non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
 - ``dlion-<mode>-hier[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
   gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
   inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
   does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
-  on all elements (on 1/L with gathered parameters).
+  on all elements, x only, and the momentum update on 1/L (the whole apply on 1/L with gathered
+  parameters).
 - ``fsdp-allreduce[-bf16]`` and ``fsdp-dlion[-overlap]`` (SPEC §10, L > 1):
   FSDP2 in nodes of L, each bucket one FSDP unit. Forward: each unit's parameter shards are
   all-gathered in the node (prefetched one unit ahead on the one channel) before its compute;
@@ -93,6 +94,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..accounting import fsdp_unit_bytes
 from ..kernels.layout import (
     BLOCK,
     HEADER_WORDS,
@@ -110,10 +112,15 @@ JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-# Bytes per element of D-Lion's fused stages (bench_kernels.py): local step 12.125, apply
-# 8.125, tally ~0.25: what splits opt_ms between before and after the exchange.
-LOCAL_FRACTION = 12.125 / 20.5
+# Bytes per fp32 element of D-Lion's fused stages (bench_kernels.py): local step 8.125 (reads
+# g and m, writes the votes), tally 0.25 (n = 1), apply 20.125 (reads x, g, m and the aggregate,
+# writes x and m); a whole step 28.5. What splits opt_ms between before the exchange (the local
+# step) and after it (tally and apply).
+LOCAL_FRACTION = 8.125 / 28.5
 APPLY_FRACTION = 1.0 - LOCAL_FRACTION
+# Hierarchical D-Lion applies to every element x only (x read and written, the aggregate: 8.125)
+# and updates the momentum of its shard alone (the rest of an apply: g read, m read and written).
+X_ONLY_FRACTION = 8.125 / 28.5
 OPT_BYTES_PER_PARAM = 20.5  # default opt_ms: one fused optimizer pass at mem_gbs
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -505,7 +512,7 @@ def _dlion_row(cl, w, mode, overlap, L):
     total = sum(costs, Cost())
     local, apply = opt * LOCAL_FRACTION, opt * APPLY_FRACTION
     if hier and w.hier_gather != "params":
-        apply = w.opt * APPLY_FRACTION
+        apply = w.opt * X_ONLY_FRACTION + opt * (APPLY_FRACTION - X_ONLY_FRACTION)
     start = w.fwd + wait
     if overlap:
         ready, acc = [], 0
@@ -539,12 +546,14 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
     tensors = max(1, math.ceil(w.tensors / len(sizes)))
     reduce_bytes = wire_bytes if sync == "allreduce" else 4
     gather = {s: all_gather(cl, intra_g, s / L * w.param_bytes) for s, _ in _counts(sizes)}
+    # Between nodes, per unit once its backward is done: HSDP's all-reduce of the shard among
+    # the N replicas, or D-Lion's exchange of it (overlap)
+    across = {s: all_reduce(cl, inter_g, s / L * wire_bytes) if sync == "allreduce"
+              else dlion_exchange(cl, inter_g, s / L, tensors, mode) if overlap else Cost()
+              for s, _ in _counts(sizes)}
 
     def after(s):  # a unit's collectives once its backward is done
-        c = reduce_scatter(cl, intra_g, s * reduce_bytes)
-        if sync == "allreduce":
-            return c + all_reduce(cl, inter_g, s / L * wire_bytes)
-        return c + dlion_exchange(cl, inter_g, s / L, tensors, mode) if overlap else c
+        return reduce_scatter(cl, intra_g, s * reduce_bytes) + across[s]
 
     done = {s: after(s) for s, _ in _counts(sizes)}
     votes = headers = Cost()
@@ -552,6 +561,13 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
         headers = all_gather(cl, intra_g, N * HEADER_WORDS * WORD_BYTES)
         if not overlap:
             votes = dlion_exchange(cl, inter_g, w.d / L, w.tensors, mode)
+    # Bytes: FSDP2's collectives in the node by their byte model (every unit gathered twice);
+    # between nodes what the replica all-reduce (ring, or tree where the cluster runs tree) or
+    # D-Lion's exchange sends.
+    fsdp = sum(fsdp_unit_bytes(s / L, s / L * w.param_bytes, L, N, reduce_bytes=reduce_bytes)[0]
+               for s in sizes)
+    other = sum((across[s] for s in sizes), Cost()) + votes + headers
+    intra, inter = fsdp + other.intra_bytes, other.inter_bytes
     opt = w.opt / L
     local = opt * LOCAL_FRACTION if sync == "dlion" else 0.0
     wait = expected_max(cl.n, w.jitter, w.dist)
@@ -587,8 +603,8 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
         name = "fsdp-dlion" + ("-overlap" if overlap else "")  # vote: FSDP2's one mode
         options = {"kind": "fsdp", "sync": sync, "mode": mode, "votes": "binary",
                    "overlap": overlap}
-    return Row(name, step, compute, wait, total.ms, step - compute - wait, total.bytes,
-               total.intra_bytes, total.inter_bytes, len(sizes), "+".join(
+    return Row(name, step, compute, wait, total.ms, step - compute - wait, intra + inter,
+               intra, inter, len(sizes), "+".join(
                    dict.fromkeys(a for a in total.algorithm.split("+") if a)), options,
                *_memory(w, L, L))
 

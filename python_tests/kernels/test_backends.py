@@ -293,7 +293,7 @@ def test_auto_falls_back_to_triton_on_an_old_gpu(monkeypatch):
         def build_info(self):
             return "cpu: GNU; cuda: nvcc 13.0, archs 80;90"
 
-    monkeypatch.setattr(native, "_load", lambda: FakeC())
+    monkeypatch.setattr(native, "load_module", lambda: FakeC())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     assert "sm_75" in native.problem("cuda")

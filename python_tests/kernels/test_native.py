@@ -32,7 +32,7 @@ def _devices():
 
 @needs_native
 def test_build_info():
-    C = native._load()
+    C = native.load_module()
     info = C.build_info()
     assert "cpu:" in info and "cuda:" in info
     assert isinstance(C.has_cuda(), bool)
@@ -186,7 +186,8 @@ def test_baseline_isa_variant():
            "-k", "cpu and (every_half or nonfinite or apply)"]
     env = {**os.environ, "DLION_CPU_NO_AVX2": "1"}
     isa = subprocess.run([sys.executable, "-c", "import dlion_kernels.kernels.native as n; "
-                          "print(n._load().cpu_isa())"], capture_output=True, text=True, env=env)
+                          "print(n.load_module().cpu_isa())"],
+                         capture_output=True, text=True, env=env)
     assert isa.stdout.strip() == "baseline", isa.stdout + isa.stderr
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=here)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

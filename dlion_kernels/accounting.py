@@ -1,0 +1,54 @@
+"""Bytes a rank sends in the collectives D-Lion does not run itself, without torch.
+
+D-Lion's own exchange counts what it sends (``StepStats``). The gradient all-reduce it replaces,
+gossip averaging and FSDP2's collectives are run by torch.distributed, which counts nothing, so
+every report of their bytes (the optimizer's ``allreduce_fp32_bytes``, the strategies built by
+``build.py``, the demos, the runtime model in ``plan/``) uses these formulas, for the ring
+algorithms gloo runs (and NCCL's ring). Bytes are per rank, sent.
+
+- All-reduce of S bytes over p ranks: a reduce-scatter and an all-gather of S / p chunks, each
+  p - 1 steps: 2 (p - 1) / p * S.
+- FSDP2, one unit (module sharded on L ranks of a node, N replicas of each shard): every rank
+  holds a shard of s elements (padded); per step it all-gathers the parameters in forward and
+  again in backward (the root module once: its parameters stay unsharded in between), sending its
+  shard to each of the L - 1 peers each time, and reduce-scatters the unit's L s gradient
+  elements, sending (L - 1) s of them; with HSDP the N replicas also all-reduce the shard of
+  gradients across nodes.
+"""
+
+from __future__ import annotations
+
+
+def ring_all_reduce_bytes(ranks: int, nbytes: float) -> float:
+    """What one rank sends in a ring all-reduce of ``nbytes`` (its buffer) over ``ranks`` ranks:
+    2 (ranks - 1) / ranks * nbytes; 0 on one rank."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def fsdp_unit_bytes(shard_elems: float, shard_param_bytes: float, ranks_per_node: int,
+                    nodes: int, *, reduce_bytes: int, gathers: int = 2,
+                    replicas_all_reduce: bool = False) -> tuple[float, float]:
+    """(bytes inside the node, bytes between nodes) one rank sends per step in FSDP2's own
+    collectives for one unit.
+
+    shard_elems: the rank's shard of the unit's parameters, in elements (padded as FSDP2 pads).
+    shard_param_bytes: that shard's bytes in the parameters' dtypes (what the all-gather moves).
+    ranks_per_node: L, the ranks one shard dimension spans (inside a node).
+    nodes: N, the replicas of each shard (one per node).
+    reduce_bytes: bytes per gradient element on the wire (4 fp32, 2 bf16).
+    gathers: all-gathers of the parameters per step (2: forward and backward; the root 1).
+    replicas_all_reduce: HSDP: the N replicas all-reduce the gradient shard between nodes.
+    """
+    if ranks_per_node < 1 or nodes < 1:
+        raise ValueError(f"ranks_per_node and nodes must be >= 1, got {ranks_per_node!r} and "
+                         f"{nodes!r}")
+    if gathers not in (1, 2):
+        raise ValueError(f"gathers must be 1 or 2, got {gathers!r}")
+    intra = (ranks_per_node - 1) * (gathers * shard_param_bytes + shard_elems * reduce_bytes)
+    inter = ring_all_reduce_bytes(nodes, reduce_bytes * shard_elems) if replicas_all_reduce \
+        else 0.0
+    return intra, inter
