@@ -307,7 +307,7 @@ class ElasticDiLoCo:
         group = _quorum_group(manager)
         n = group.n
         failed = manager.errored() is not None or f is None
-        fragment = d._fragments[f if f is not None else 0]
+        fragment = d.fragment_states[f if f is not None else 0]
         ex = summed = None
         if not failed:
             try:
@@ -342,7 +342,7 @@ class ElasticDiLoCo:
                         f"DiLoCo sync at inner step {t}: a pseudo-gradient holds inf or NaN on at "
                         "least one replica; nothing was applied on any replica")
                 if not skipped:
-                    d._nesterov(fragment, mean)
+                    d.nesterov_update(fragment, mean)
                 sent = round(gossip_bytes_per_step(fragment.numel, 4, n))
         # theta_i = theta_bar: the new one, or (not committed) the last synced one, so a
         # replica never carries a window that was not synced into the next
@@ -360,7 +360,7 @@ class ElasticDiLoCo:
         return d.last_stats
 
     def _params(self) -> list:
-        return [p for f in self.d._fragments for p in f.params]
+        return [p for f in self.d.fragment_states for p in f.params]
 
     def _peer_momentum(self) -> bool:
         # Nesterov's u is built from the mean pseudo-gradient: the same on every replica, part
@@ -369,20 +369,20 @@ class ElasticDiLoCo:
 
     def _save(self) -> dict:
         d = self.d
-        out = {"inner_step": d.inner_step, "theta_bar": [f.theta.clone() for f in d._fragments],
+        out = {"inner_step": d.inner_step, "theta_bar": [f.theta.clone() for f in d.fragment_states],
                "params": [p.detach().clone() for p in self._params()]}
         if self._peer_momentum():
-            out["momentum"] = [f.momentum.clone() for f in d._fragments]
+            out["momentum"] = [f.momentum.clone() for f in d.fragment_states]
         return out
 
     def _load(self, saved: dict) -> None:
         d = self.d
-        _copy_into([f.theta for f in d._fragments], saved["theta_bar"], "theta_bar")
+        _copy_into([f.theta for f in d.fragment_states], saved["theta_bar"], "theta_bar")
         _copy_into(self._params(), saved["params"], "parameters")
         if self._peer_momentum():
-            _copy_into([f.momentum for f in d._fragments], saved["momentum"], "outer momenta")
+            _copy_into([f.momentum for f in d.fragment_states], saved["momentum"], "outer momenta")
         elif self.heal_momentum == "zero":
-            for f in d._fragments:
+            for f in d.fragment_states:
                 f.momentum.zero_()
         d.inner_step = int(saved["inner_step"])
 

@@ -64,6 +64,9 @@ THIRD_PARTY_PRIVATE = {
         "torch.distributed: a ProcessGroup tells its timeout only through its backend's options",
     ("dlion_kernels.exchange.collectives", "_timeout"):
         "torch.distributed: the backend options' timeout (public only as a constructor argument)",
+    ("dlion_kernels.elastic", "_pg"):
+        "torchft's Manager hands out its reconfigurable process group only as manager._pg (its "
+        "own DDP and DiLoCo read it there too)",
     ("dlion_kernels.optim.amp", "_per_optimizer_states"):
         "torch.amp.GradScaler keeps each optimizer's found_inf tensors only there, and update() "
         "sums them: the overflow vote every rank agrees on must be written back there",

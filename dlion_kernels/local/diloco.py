@@ -645,5 +645,27 @@ class DiLoCo:
         """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]
 
+    # What the modules that run a sync around this object use (elastic.py, outer_options.py,
+    # build.py's accounting): named here so that none of them reaches into private state.
+
+    @property
+    def fragment_states(self) -> list:
+        """Each fragment's theta_bar, outer momentum, parameters and offsets, in order."""
+        return self._fragments
+
+    @property
+    def streams(self) -> Streams:
+        """The streams the outer step's stages run on."""
+        return self._streams
+
+    @property
+    def options_runtime(self):
+        """The running state of ``outer_options`` (residuals, scales), or None."""
+        return self._options
+
+    def nesterov_update(self, fragment, mean: torch.Tensor) -> None:
+        """Nesterov's outer update of ``fragment`` with the mean pseudo-gradient ``mean``."""
+        self._nesterov(fragment, mean)
+
 
 __all__ = ["DiLoCo", "SyncStats"]

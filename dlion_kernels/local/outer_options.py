@@ -230,7 +230,7 @@ class _Runner:
 
     def __init__(self, options, diloco):
         self.options, self.diloco = options, diloco
-        self.fragments = diloco._fragments
+        self.fragments = diloco.fragment_states
 
     def state_dict(self) -> dict:
         return {"options": asdict(self.options), "kind": type(self.options).__name__,
@@ -301,7 +301,7 @@ class _DLionSync:
         scratch = torch.zeros_like(p)
         ex = Exchange(device=p.device, mode=dl.mode, votes=dl.votes, group=dl.group,
                       backend=dl.backend, step=step, nonfinite=dl.nonfinite,
-                      streams=dl._streams, timeout=dl.timeout)
+                      streams=dl.streams, timeout=dl.timeout)
         rows = [Row(x, g, m, off, runner.segment) for x, g, m, off in zip(
             fragment.views(self.zero), fragment.views(vote_input), fragment.views(scratch),
             fragment.offsets)]
