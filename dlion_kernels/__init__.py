@@ -5,7 +5,7 @@ Floors (each imports only from the floors below it):
 - ``kernels``   the fused stages on every backend (torch reference, C++ cpu, CUDA, Triton)
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
 - ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
-- ``decentralized``  decentralized gossip training (Wang et al.) (``DecentralizedDataParallel``, topologies)
+- ``decentralized``  gossip training, Wang et al. (``DecentralizedDataParallel``, topologies)
 - ``local``     local steps with an outer step every H steps (``DiLoCo``)
 - ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
 - ``plan``      the runtime model that predicts each strategy's step time

@@ -369,7 +369,8 @@ class ElasticDiLoCo:
 
     def _save(self) -> dict:
         d = self.d
-        out = {"inner_step": d.inner_step, "theta_bar": [f.theta.clone() for f in d.fragment_states],
+        out = {"inner_step": d.inner_step,
+               "theta_bar": [f.theta.clone() for f in d.fragment_states],
                "params": [p.detach().clone() for p in self._params()]}
         if self._peer_momentum():
             out["momentum"] = [f.momentum.clone() for f in d.fragment_states]
