@@ -199,8 +199,12 @@ def test_syncs_on_local_shards(N, L):
                         assert s.inter_node_bytes_sent <= spec_bound(N, mode, votes, d, len(idx))
                         assert s.intra_node_bytes_sent == intra == (L - 1) * N * 2 * 4
                     else:
-                        assert s.inter_node_bytes_sent == round(2 * (N - 1) / N * 4 * d)
-                        assert s.intra_node_bytes_sent == intra == round(2 * (L - 1) / L * 4)
+                        # 2 step words per replica ride in the all-reduce; the shard group's
+                        # all-reduce carries the non-finite flag and every replica's step
+                        assert s.inter_node_bytes_sent == \
+                            round(2 * (N - 1) / N * 4 * (d + 2 * N if N > 1 else 0))
+                        assert s.intra_node_bytes_sent == intra == \
+                            round(2 * (L - 1) / L * 4 * (1 + L * N))
                     assert s.bytes_sent == s.bytes_received == \
                         s.inter_node_bytes_sent + s.intra_node_bytes_sent
 
