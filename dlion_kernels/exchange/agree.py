@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import sharded
-from .collectives import collective
+from .collectives import as_timedelta, collective
 from .header import StepMismatchError
 from .pipeline import all_gather
 
@@ -108,6 +108,15 @@ def start_groups(params, device_mesh=None, group=None) -> tuple[list, int]:
         return [world], 1
 
 
+def bound(timeout):
+    """``timeout`` as a timedelta, or None (the group's own) when it is not a valid one: a rank
+    whose ``timeout=`` is the problem still takes part in the verdict."""
+    try:
+        return as_timedelta(timeout)
+    except (TypeError, ValueError):
+        return None
+
+
 def _fact_digest(value) -> bytes:
     data = value if isinstance(value, bytes) else repr(value).encode()
     return hashlib.blake2b(data, digest_size=_DIGEST).digest()
@@ -176,13 +185,16 @@ def agree(problem: BaseException | None, facts: list[Fact], groups, *, what: str
     failed = [int(r[8]) for r in rows]
     block = block or dist.get_world_size(groups[0])
     table = rows[:, 17:].reshape(len(ranks), len(facts), _DIGEST)
-    differs = []  # (fact index, row indices whose fact differs from its reference row)
+    differs = []  # (fact index, reference row, rows whose fact differs from the reference's)
     for k, f in enumerate(facts):
         for start in range(0, len(ranks), block if f.within else len(ranks)):
-            stop = start + (block if f.within else len(ranks))
-            odd = [i for i in range(start, stop) if not torch.equal(table[i, k], table[start, k])]
+            run = range(start, start + (block if f.within else len(ranks)))
+            values = [bytes(table[i, k].tolist()) for i in run]
+            # the reference: the value most ranks hold (the lowest rank's among equals)
+            ref = run[max(range(len(values)), key=lambda j: (values.count(values[j]), -j))]
+            odd = [i for i in run if values[i - start] != values[ref - start]]
             if odd:
-                differs.append((k, start, odd))
+                differs.append((k, ref, odd))
     if not any(failed) and not differs:
         return
     # Something is wrong: every rank's details, to name the ranks and the values alike.
@@ -207,9 +219,9 @@ def _verdict(info, failed, differs, facts, what: str, changed: str) -> Exception
             + " | ".join(parts))
     # the first fact that differs sets the error type; every differing fact is named
     error, parts, hints = facts[differs[0][0]].error, [], []
-    for k, start, odd in differs:
+    for k, ref, odd in differs:
         f = facts[k]
-        ref = info[start]
+        ref = info[ref]
         if f.show:
             values: dict = {}
             for i in odd:
@@ -229,4 +241,4 @@ def _ranks(ranks) -> str:
     return f"ranks {list(ranks)}"
 
 
-__all__ = ["AGREE", "DETAILS", "Fact", "agree", "digest"]
+__all__ = ["AGREE", "DETAILS", "Fact", "agree", "bound", "digest", "start_groups"]

@@ -250,7 +250,7 @@ class DiLoCo:
         except (TypeError, ValueError) as e:
             problem = e
         # one verdict on every rank: arguments, model and starting weights (exchange/agree.py)
-        self._agree_at_start(problem, params, device_mesh, group)
+        self._agree_at_start(problem, params, device_mesh, group, agree.bound(timeout))
         if late:
             problem = None
             try:
@@ -258,7 +258,8 @@ class DiLoCo:
             except (TypeError, ValueError) as e:
                 problem = e
             agree.agree(problem, [], agree.start_groups(params, device_mesh, group)[0],
-                        what="DiLoCo(...)", changed="nothing was built on any rank")
+                        what="DiLoCo(...)", changed="nothing was built on any rank",
+                        timeout=self.timeout)
         segment = Segment([], [], [], self.outer_lr, *self.outer_betas,
                           self.outer_weight_decay) if outer == "dlion" else None
         self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
@@ -349,7 +350,7 @@ class DiLoCo:
                              f"missing: {missing}")
         return params
 
-    def _agree_at_start(self, problem, params, device_mesh, group) -> None:
+    def _agree_at_start(self, problem, params, device_mesh, group, timeout) -> None:
         """Every rank has the same arguments and model, and the replicas of each tensor (FSDP2:
         of each local shard) the same bytes; else the same ValueError on every rank, before
         anything is kept. One all_gather of a few digests per rank (two with FSDP2: the
@@ -373,8 +374,7 @@ class DiLoCo:
                  "Resuming from a checkpoint: build DiLoCo on the fresh model, then load the "
                  "model's, the inner optimizer's and DiLoCo's state dicts.")
         agree.agree(problem, facts, groups, what="DiLoCo(...)", block=block,
-                    changed="nothing was built on any rank",
-                    timeout=self.timeout if problem is None else None)
+                    changed="nothing was built on any rank", timeout=timeout)
 
     # ------------------------------------------------------------------------- steps
 
@@ -516,8 +516,10 @@ class DiLoCo:
             intra = round(gossip_bytes_per_step(words.numel(), 4, L))
         if len({s for row in table for s in row}) > 1:
             raise StepMismatchError(
-                f"{_LABEL} {step}: the ranks are at different inner steps: {table} (per replica"
-                f"{', one row per shard' if len(table) > 1 else ''}); {_APPLIED}, on every rank. "
+                f"DiLoCo sync: the ranks are at different inner steps: {table} (per replica"
+                f"{', one row per shard' if len(table) > 1 else ''}); nothing of this sync was "
+                "applied on any rank (theta_bar, the outer momenta and the parameters are as "
+                "before this step()). "
                 "Every rank must load the state saved at the same inner step and call step() "
                 "the same number of times")
         return bool(flag), intra

@@ -193,14 +193,15 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                        differentiable=differentiable))
         except (TypeError, ValueError) as e:
             problem = e
-        self._agree_at_start(problem, params, group, device_mesh, hierarchy)
+        self._agree_at_start(problem, params, group, device_mesh, hierarchy, timeout)
         if late:
             problem = None
             try:
                 self._configure_sharded(hierarchy)
             except (TypeError, ValueError) as e:
                 problem = e
-            self._agree_at_start(problem, params, group, device_mesh, hierarchy, facts=False)
+            self._agree_at_start(problem, params, group, device_mesh, hierarchy, timeout,
+                                 facts=False)
         if auto:
             self._choose_hierarchy()
         if overlap:
@@ -246,7 +247,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             for p in self._trainable():
                 self._exp_avg(p)  # the state exists before any step (module docstring)
 
-    def _agree_at_start(self, problem, params, group, device_mesh, hierarchy,
+    def _agree_at_start(self, problem, params, group, device_mesh, hierarchy, timeout,
                         facts=True) -> None:
         """One verdict on every rank of the job (``exchange/agree.py``): a problem found on any
         rank, other arguments, or other starting weights where the ranks hold replicas of the
@@ -275,7 +276,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                  "alike, or load the same checkpoint into the model on every rank.")
         agree.agree(problem, checked if facts else [], groups, what="DistributedLion(...)",
                     changed="nothing was built on any rank", block=block,
-                    timeout=self.timeout if problem is None else None)
+                    timeout=agree.bound(timeout))
 
     def _choose_hierarchy(self) -> None:
         """hierarchy="auto": the runtime model picks L (ranks per node) or flat (1) for this
