@@ -102,7 +102,11 @@ def start_groups(params, device_mesh=None, group=None) -> tuple[list, int]:
         if not isinstance(group, dist.ProcessGroup):
             return [world], 1
         if dtensors:
-            return [group, first.device_mesh.get_group()], dist.get_world_size(group)
+            shard = first.device_mesh.get_group()
+            ranks = set(dist.get_process_group_ranks(group))
+            if ranks & set(dist.get_process_group_ranks(shard)) != {dist.get_rank()}:
+                return [world], 1  # not a replicate group: resolving it raises, on every rank
+            return [group, shard], len(ranks)
         return [group], dist.get_world_size(group)
     except Exception:  # a broken argument: the default group, where the problem is reported
         return [world], 1

@@ -64,6 +64,13 @@ inf or NaN on any rank: ``nonfinite="raise"`` raises ``NonFiniteGradientError`` 
 with nothing modified; ``"skip"`` drops the sync on every rank (theta_bar and momenta unchanged)
 and returns the fragment's parameters to theta_bar, so a rank that diverged restarts from the
 last synced point. Either way the inner step counter does not advance past a failed call.
+
+One decision (``exchange/agree.py``): the constructor and ``load_state_dict`` check on each rank
+without raising, then every rank sees every rank's problem and digests (arguments, starting
+weights, inner step, theta_bar) and raises the same error or proceeds. At a sync, Nesterov's
+all-reduce carries every rank's inner step (2 fp32 words per rank, in ``bytes_sent``; with
+FSDP2 the shard group's flag all-reduce carries them across the mesh): ranks at different steps
+raise ``StepMismatchError`` on every rank with nothing applied, as D-Lion's header does.
 """
 
 from __future__ import annotations

@@ -96,6 +96,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     Ranks on different steps (e.g. one rank resumed from another checkpoint) raise
     ``StepMismatchError`` on every rank, naming both step numbers; nothing is modified.
 
+    One decision at construction and at ``load_state_dict`` (``exchange/agree.py``): each rank
+    checks its arguments and state without raising, then one small all_gather (two with FSDP2:
+    the replicate group, then the shard group) shows every rank every rank's problem and a
+    digest of its arguments and starting parameters (FSDP2: of its local shards, compared
+    between the replicas of each shard); every rank then raises the same error, naming the
+    ranks and the values, or proceeds. A loaded state of another step count on any rank raises
+    ``StepMismatchError`` everywhere; nothing is built or loaded on any rank.
+
     Host syncs on CUDA: with ``nonfinite="raise"`` a step reads the ranks' headers once (to
     raise). With ``nonfinite="skip"`` or a GradScaler it reads nothing: the decision is settled
     later, at the next ``step()``, ``state_dict()``, or when ``last_stats`` is read. Until then a
