@@ -724,11 +724,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         """What load_state_dict checks before anything changes (torch.optim's own group checks
         included); returns the (id, param, momentum) to put back as fp32."""
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                             "the size of optimizer's group")
         saved = state_dict["state"]
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in groups for p in g["params"]]
@@ -741,4 +736,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             elif sharded.is_dtensor(m):
                 raise ValueError(f"{where} is a DTensor, saved by a DistributedLion over FSDP2 "
                                  "parameters; this one's parameters are plain tensors")
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
         return loaded
