@@ -376,7 +376,8 @@ class DiLoCo:
         facts = [agree.Fact(name, value) for name, value in zip(_START_FACTS, values)]
         facts[-2] = agree.Fact(_START_FACTS[-2], values[-2], within=True)  # shards differ
         facts[-1] = agree.Fact(
-            _START_FACTS[-1], values[-1], within=True, show=False,
+            "the local shards of the model's parameters" if params and sharded.is_dtensor(
+                params[0]) else _START_FACTS[-1], values[-1], within=True, show=False,
             hint="Every rank must start from the same weights (seed the initialization alike). "
                  "Resuming from a checkpoint: build DiLoCo on the fresh model, then load the "
                  "model's, the inner optimizer's and DiLoCo's state dicts.")
