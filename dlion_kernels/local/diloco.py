@@ -66,26 +66,32 @@ inf or NaN on any rank: ``nonfinite="raise"`` raises ``NonFiniteGradientError`` 
 with nothing modified; ``"skip"`` drops the sync on every rank (theta_bar and momenta unchanged)
 and returns the fragment's parameters to theta_bar, so a rank that diverged restarts from the
 last synced point. Either way the inner step counter does not advance past a failed call.
+
+One decision (``exchange/agree.py``): the constructor and ``load_state_dict`` check on each rank
+without raising, then every rank sees every rank's problem and digests (arguments, starting
+weights, inner step, theta_bar) and raises the same error or proceeds. At a sync, Nesterov's
+all-reduce carries every rank's inner step (2 fp32 words per rank, in ``bytes_sent``; with
+FSDP2 the shard group's flag all-reduce carries them across the mesh): ranks at different steps
+raise ``StepMismatchError`` on every rank with nothing applied, as D-Lion's header does.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..decentralized.wrapper import gossip_bytes_per_step
-from ..exchange import sharded
+from ..exchange import agree, sharded
 from ..exchange.checks import check_hyperparameters, check_options, check_params
 from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
+from ..exchange.header import StepMismatchError
 from ..exchange.pipeline import (
     Exchange,
     NonFiniteGradientError,
     Segment,
     Streams,
-    all_gather,
     check_group_device,
     resolve_group,
 )
@@ -99,10 +105,14 @@ OUTERS = ("dlion", "nesterov", "sparseloco")
 DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7, "sparseloco": 1.0}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
-DIGESTS = "all_gather(parameter digests)"
 # FSDP2: the non-finite flag of Nesterov's mean, agreed inside the shard group
 FLAGS = "all_reduce(shard non-finite flags)"
 _LABEL = "DiLoCo sync at inner step"
+# What every rank of a DiLoCo must share at construction (the last two: per replica block)
+_START_FACTS = ("sync_every", "outer", "outer_lr", "outer_betas", "outer_weight_decay",
+                "outer_momentum", "merge_alpha", "mode", "votes", "nonfinite", "fragments",
+                "overlap_steps", "outer_options", "parameters (shape, dtype)", "group sizes",
+                "local shard shapes", "the model's parameters")
 _APPLIED = ("nothing of this sync was applied: theta_bar, the outer momenta and the parameters "
             "are as before this step() on this rank")
 
@@ -190,6 +200,13 @@ class _InFlight:
         self.summed = None    # Nesterov: the all-reduce's buffer
 
 
+def _dtensors(model) -> bool:
+    try:
+        return any(sharded.is_dtensor(p) for p in model.parameters())
+    except Exception:  # not a model: the start check reports it
+        return False
+
+
 class DiLoCo:
     """Local steps with an outer step every ``sync_every`` inner steps (SPEC §11; the module
     docstring gives the math, the fragments' schedule, the overlap merge, checkpoints and
@@ -241,6 +258,57 @@ class DiLoCo:
                  overlap_steps: int = 0, merge_alpha: float = 0.5, group=None, backend=None,
                  nonfinite: str = "raise", timeout=None, device_mesh=None, outer_options=None,
                  manager=None, heal_momentum: str = "own"):
+        problem, params = None, []
+        # With FSDP2 parameters and group=, finding the mesh is a collective: after the verdict
+        late = device_mesh is None and group is not None and _dtensors(model)
+        try:  # every check that can fail on one rank only, and nothing collective
+            params = self._configure(
+                model, inner_optimizer, sync_every, outer, outer_lr=outer_lr,
+                outer_betas=outer_betas, outer_weight_decay=outer_weight_decay,
+                outer_momentum=outer_momentum, mode=mode, votes=votes, fragments=fragments,
+                overlap_steps=overlap_steps, merge_alpha=merge_alpha, backend=backend,
+                nonfinite=nonfinite, timeout=timeout, outer_options=outer_options,
+                group=group, device_mesh=device_mesh, manager=manager,
+                heal_momentum=heal_momentum)
+            if not late:
+                self._place(params, device_mesh, group)
+        except (TypeError, ValueError) as e:
+            problem = e
+        # one verdict on every rank: arguments, model and starting weights (exchange/agree.py)
+        self._agree_at_start(problem, params, device_mesh, group, agree.bound(timeout))
+        if late:
+            problem = None
+            try:
+                self._place(params, device_mesh, group)
+            except (TypeError, ValueError) as e:
+                problem = e
+            agree.agree(problem, [], agree.start_groups(params, device_mesh, group)[0],
+                        what="DiLoCo(...)", changed="nothing was built on any rank",
+                        timeout=self.timeout)
+        segment = Segment([], [], [], self.outer_lr, *self.outer_betas,
+                          self.outer_weight_decay) if outer == "dlion" else None
+        self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
+                           for f, cut in enumerate(self._cuts)]
+        self._options = options_.runtime(self)  # None: the plain outer step
+        self._streams = Streams(sharded.local(params[0]).device)
+        self.inner_step = 0
+        self.last_stats: SyncStats | None = None
+        self.bytes_sent = 0
+        self._inflight: _InFlight | None = None
+        self._reissue = False  # a loaded in-flight sync whose exchange the next step() issues
+        self._elastic = None  # manager=: torchft's quorum at every sync (elastic.py)
+        if manager is not None:
+            from .. import elastic
+            self._elastic = elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum)
+
+    # ------------------------------------------------------------------------- construction
+
+    def _configure(self, model, inner_optimizer, sync_every, outer, *, outer_lr, outer_betas,
+                   outer_weight_decay, outer_momentum, mode, votes, fragments, overlap_steps,
+                   merge_alpha, backend, nonfinite, timeout, outer_options, group, device_mesh,
+                   manager, heal_momentum) -> list:
+        """The constructor's checks of its arguments (ValueError/TypeError on this rank alone:
+        ``__init__`` turns them into one verdict); sets the options, returns the parameters."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -278,37 +346,26 @@ class DiLoCo:
             raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
-        # FSDP2: the exchange runs between the replicas of this rank's shards (SPEC §10)
-        self._sharding = sharded.resolve(params, device_mesh, group)
-        device = check_params([sharded.local(p) for p in params])
-        exchange_group = self._sharding.replicate if self._sharding is not None else group
-        self.outer_options = options_.check(outer, outer_options, votes, self._sharding is not None)
-        pg, self.world_size = resolve_group(exchange_group)
-        check_group_device(pg, self.world_size, device)
-
-        self.model, self.inner_optimizer, self.group = model, inner_optimizer, exchange_group
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self.outer_options = outer_options  # checked in _place, which knows the sharding
         self.sync_every, self.outer, self.outer_lr = sync_every, outer, float(outer_lr)
         self.outer_betas, self.outer_weight_decay = (beta1, beta2), float(outer_weight_decay)
         self.outer_momentum, self.merge_alpha = float(outer_momentum), float(merge_alpha)
         self.mode, self.votes, self.backend, self.nonfinite = mode, votes, backend, nonfinite
         self.fragments, self.overlap_steps = fragments, overlap_steps
-        cuts = frag.split([p.numel() for p in params], fragments)
-        self._check_same_start(params, cuts)
-        segment = Segment([], [], [], self.outer_lr, beta1, beta2, self.outer_weight_decay) \
-            if outer == "dlion" else None
-        self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
-                           for f, cut in enumerate(cuts)]
-        self._options = options_.runtime(self)  # None: the plain outer step
-        self._streams = Streams(device)
-        self.inner_step = 0
-        self.last_stats: SyncStats | None = None
-        self.bytes_sent = 0
-        self._inflight: _InFlight | None = None
-        self._reissue = False  # a loaded in-flight sync whose exchange the next step() issues
-        self._elastic = None if manager is None else \
-            elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum)
+        self._cuts = frag.split([p.numel() for p in params], fragments)
+        return params
 
-    # ------------------------------------------------------------------------- construction
+    def _place(self, params, device_mesh, group) -> None:
+        """The exchange group: FSDP2's replicate group (the replicas of this rank's shards, SPEC
+        §10) or ``group``; checked against the parameters' device."""
+        self._sharding = sharded.resolve(params, device_mesh, group)
+        device = check_params([sharded.local(p) for p in params])
+        self.group = self._sharding.replicate if self._sharding is not None else group
+        self.outer_options = options_.check(self.outer, self.outer_options, self.votes,
+                                            self._sharding is not None)
+        pg, self.world_size = resolve_group(self.group)
+        check_group_device(pg, self.world_size, device)
 
     @staticmethod
     def _trainable(model, inner) -> list:
@@ -333,68 +390,32 @@ class DiLoCo:
                              f"missing: {missing}")
         return params
 
-    def _config(self, params, cuts) -> bytes:
-        mesh = None if self._sharding is None else (self._sharding.replicas,
-                                                    self._sharding.shards)
-        return repr((self.sync_every, self.outer, self.outer_lr, self.outer_betas,
-                     self.outer_weight_decay, self.outer_momentum, self.merge_alpha, self.mode,
-                     self.votes, self.nonfinite, self.fragments, self.overlap_steps, mesh,
-                     self.outer_options,
-                     [(tuple(p.shape), str(p.dtype)) for p in params],
-                     [(c.start, c.stop) for c in cuts])).encode()
-
-    def _gather_digests(self, digest: bytes, group, device) -> torch.Tensor:
-        """Every rank's ``digest`` in ``group``: [ranks, len(digest)] uint8 on the CPU."""
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
-        size = dist.get_world_size(group)
-        out = torch.empty(size * mine.numel(), dtype=torch.uint8, device=device)
-        collective(DIGESTS, 0, all_gather, out, mine, group, timeout=self.timeout, label=_LABEL,
-                   applied="nothing was built")
-        return out.view(size, -1).cpu()
-
-    def _check_same_start(self, params, cuts) -> None:
-        """Every rank has the same arguments and each replica bit-identical parameters (one
-        all_gather of two 16-byte digests in the exchange's group; with FSDP2 one more of the
-        arguments' digest in the shard group); ValueError on every rank otherwise, before
-        anything is kept."""
-        config = hashlib.blake2b(self._config(params, cuts), digest_size=16).digest()
-        device = sharded.local(params[0]).device
-        if self._sharding is not None and self._sharding.shards > 1:
-            rows = self._gather_digests(config, self._sharding.shard, device)
-            differs = [r for r in range(rows.shape[0]) if not torch.equal(rows[r], rows[0])]
-            if differs:
-                ranks = dist.get_process_group_ranks(self._sharding.shard)
-                raise ValueError(
-                    f"ranks {[ranks[r] for r in differs]} of this rank's shard group {ranks} "
-                    f"built DiLoCo with other arguments, or over another mesh or model, than rank "
-                    f"{ranks[0]}: every rank must call DiLoCo(...) alike")
-        if self.world_size == 1:
-            return
-        weights = hashlib.blake2b(digest_size=16)
-        for p in params:
-            local = sharded.local(p).detach().reshape(-1).contiguous()
-            weights.update(local.view(torch.uint8).cpu().numpy())
-        pg = resolve_group(self.group)[0]
-        rows = self._gather_digests(config + weights.digest(), pg, device)
-        # rank names: global ranks (the group's position when it is the default group)
-        ranks = dist.get_process_group_ranks(pg) if self._sharding is not None \
-            else list(range(self.world_size))
-        config_differs = [ranks[r] for r in range(self.world_size)
-                          if not torch.equal(rows[r, :16], rows[0, :16])]
-        if config_differs:
-            raise ValueError(f"ranks {config_differs} built DiLoCo with other arguments or a model "
-                             f"of other parameter shapes/dtypes than rank {ranks[0]}: every rank "
-                             "must call DiLoCo(...) alike")
-        differs = [ranks[r] for r in range(self.world_size)
-                   if not torch.equal(rows[r, 16:], rows[0, 16:])]
-        if differs:
-            what = "local shards of the model's parameters" if self._sharding is not None \
-                else "model's parameters"
-            raise ValueError(f"{what} on ranks {differs} differ from rank {ranks[0]}'s: every "
-                             "rank must start from the same weights (seed the initialization "
-                             "alike). Resuming from a checkpoint: build DiLoCo on the fresh "
-                             "model, then load the model's, the inner optimizer's and DiLoCo's "
-                             "state dicts")
+    def _agree_at_start(self, problem, params, device_mesh, group, timeout) -> None:
+        """Every rank has the same arguments and model, and the replicas of each tensor (FSDP2:
+        of each local shard) the same bytes; else the same ValueError on every rank, before
+        anything is kept. One all_gather of a few digests per rank (two with FSDP2: the
+        replicate group, then the shard group)."""
+        groups, block = agree.start_groups(params, device_mesh, group)
+        values = [None] * len(_START_FACTS)
+        if problem is None:
+            local = [sharded.local(p) for p in params]
+            values = [self.sync_every, self.outer, self.outer_lr, self.outer_betas,
+                      self.outer_weight_decay, self.outer_momentum, self.merge_alpha, self.mode,
+                      self.votes, self.nonfinite, self.fragments, self.overlap_steps,
+                      repr(self.outer_options), [(tuple(p.shape), str(p.dtype)) for p in params],
+                      [dist.get_world_size(g) for g in groups],
+                      [tuple(t.shape) for t in local],
+                      agree.digest(local) if block > 1 else b""]
+        facts = [agree.Fact(name, value) for name, value in zip(_START_FACTS, values)]
+        facts[-2] = agree.Fact(_START_FACTS[-2], values[-2], within=True)  # shards differ
+        facts[-1] = agree.Fact(
+            "the local shards of the model's parameters" if params and sharded.is_dtensor(
+                params[0]) else _START_FACTS[-1], values[-1], within=True, show=False,
+            hint="Every rank must start from the same weights (seed the initialization alike). "
+                 "Resuming from a checkpoint: build DiLoCo on the fresh model, then load the "
+                 "model's, the inner optimizer's and DiLoCo's state dicts.")
+        agree.agree(problem, facts, groups, what="DiLoCo(...)", block=block,
+                    changed="nothing was built on any rank", timeout=timeout)
 
     # ------------------------------------------------------------------------- steps
 
@@ -439,10 +460,11 @@ class DiLoCo:
                 ex.add(rows, fragment.blocks)
                 inflight.exchange = ex
             else:
-                # overlap: the pseudo-gradient stays apart from the buffer being reduced (a
-                # checkpoint inside the window saves it)
-                summed = inflight.grad.clone() if self.overlap_steps else inflight.grad
+                # the pseudo-gradient stays apart from the buffer being reduced (a checkpoint
+                # inside the window saves it); the step words ride along (_steps)
+                summed = inflight.grad
                 if n > 1:
+                    summed = torch.cat([summed, self._step_words(inflight.step)])
                     inflight.work = collective(ALL_REDUCE, inflight.step, dist.all_reduce,
                                                summed, group=resolve_group(self.group)[0],
                                                async_op=True, label=_LABEL, applied=_APPLIED)
@@ -467,13 +489,16 @@ class DiLoCo:
                 if inflight.work is not None:
                     wait(inflight.work, inflight.step, ALL_REDUCE, self.timeout, label=_LABEL,
                          applied=_APPLIED)
-                mean = inflight.summed.div_(n) if n > 1 else inflight.summed
-                skipped, intra = self._nonfinite_anywhere(mean, inflight.step)
+                mean = inflight.summed[: fragment.numel]
+                steps = self._steps(inflight.summed[fragment.numel:]) if n > 1 \
+                    else [inflight.step % 2**31]
+                mean = mean.div_(n) if n > 1 else mean
+                skipped, intra = self._nonfinite_anywhere(mean, inflight.step, steps)
                 if skipped and self.nonfinite == "raise":
                     raise NonFiniteGradientError("a pseudo-gradient holds inf or NaN")
                 if not skipped:
                     self._nesterov(fragment, mean)
-                sent = round(gossip_bytes_per_step(fragment.numel, 4, n))
+                sent = round(gossip_bytes_per_step(inflight.summed.numel(), 4, n))
             sent = received = sent + intra
         except DistributedStepError as e:
             raise self._as_sync_error(e, inflight) from e
@@ -498,17 +523,51 @@ class DiLoCo:
         self.bytes_sent += sent
         return self.last_stats
 
-    def _nonfinite_anywhere(self, mean: torch.Tensor, step: int) -> tuple[bool, int]:
+    def _step_words(self, step: int) -> torch.Tensor:
+        """Nesterov's step header: 2 n fp32 words added to the all-reduce, this rank's inner step
+        (mod 2**31, as D-Lion's header) in its two slots as two 16-bit halves, zeros elsewhere:
+        the sum holds every rank's step exactly."""
+        pg = resolve_group(self.group)[0]
+        words = torch.zeros(2 * self.world_size, dtype=torch.float32)
+        step %= 2**31
+        words[2 * dist.get_rank(pg):][:2] = torch.tensor([step >> 16, step & 0xFFFF])
+        return words.to(self._fragments[0].theta.device)
+
+    def _steps(self, words: torch.Tensor) -> list[int]:
+        pairs = words.view(-1, 2).to(torch.int64).tolist()
+        return [hi << 16 | lo for hi, lo in pairs]
+
+    def _nonfinite_anywhere(self, mean: torch.Tensor, step: int,
+                            steps: list[int]) -> tuple[bool, int]:
         """Whether the mean pseudo-gradient holds inf or NaN here or, with FSDP2, on any rank of
         the shard group (the other shards' means: one decision for the whole model), and the
-        bytes that cost this rank (a ring all-reduce of one int32 flag)."""
+        bytes that cost this rank (a ring all-reduce of int32 words). ``steps``: the inner steps
+        of the replicas (the all-reduce's header); with FSDP2 those of every replicate group
+        ride along in the same all-reduce, so every rank of the job sees every step. Raises
+        ``StepMismatchError`` on every rank when they differ; nothing was applied."""
         flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
-        if self._shards == 1:
-            return bool(flag), 0
-        collective(FLAGS, step, dist.all_reduce, flag, op=dist.ReduceOp.MAX,
-                   group=self._sharding.shard, timeout=self.timeout, label=_LABEL,
-                   applied=_APPLIED)
-        return bool(flag), round(gossip_bytes_per_step(1, 4, self._sharding.shards))
+        table = [steps]
+        intra = 0
+        if self._shards > 1:
+            me, L = dist.get_rank(self._sharding.shard), self._sharding.shards
+            words = torch.full((1 + L * len(steps),), -1, dtype=torch.int32)
+            words[0] = int(flag)
+            words[1 + me * len(steps):][: len(steps)] = torch.tensor(steps, dtype=torch.int32)
+            words = words.to(mean.device)
+            collective(FLAGS, step, dist.all_reduce, words, op=dist.ReduceOp.MAX,
+                       group=self._sharding.shard, timeout=self.timeout, label=_LABEL,
+                       applied=_APPLIED)
+            flag, table = words[:1].cpu(), words[1:].view(L, -1).tolist()
+            intra = round(gossip_bytes_per_step(words.numel(), 4, L))
+        if len({s for row in table for s in row}) > 1:
+            raise StepMismatchError(
+                f"DiLoCo sync: the ranks are at different inner steps: {table} (per replica"
+                f"{', one row per shard' if len(table) > 1 else ''}); nothing of this sync was "
+                "applied on any rank (theta_bar, the outer momenta and the parameters are as "
+                "before this step()). "
+                "Every rank must load the state saved at the same inner step and call step() "
+                "the same number of times")
+        return bool(flag), intra
 
     def _nesterov(self, fragment: _Fragment, mean: torch.Tensor) -> None:
         """torch.optim.SGD(momentum=mu, nesterov=True)'s update, tensor by tensor."""
@@ -559,11 +618,32 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore ``state_dict()``'s state (every rank its own). Everything is checked first:
-        a state of another configuration raises ValueError and changes nothing. An exchange in
-        flight in this object is finished first, without being applied (every rank loads)."""
-        self._check_state(state_dict)
-        options_.check_state(self._options, state_dict)
+        """Restore ``state_dict()``'s state (every rank its own). Everything is checked first,
+        then one verdict for the job: a state of another configuration on any rank raises
+        ValueError, states of other inner steps ``StepMismatchError``, and replicas whose
+        theta_bar differ ValueError, the same on every rank, and nothing changes anywhere. An
+        exchange in flight in this object is finished first, without being applied (every rank
+        loads)."""
+        problem, step, theta = None, None, b""
+        try:
+            self._check_state(state_dict)
+            options_.check_state(self._options, state_dict)
+            step = (state_dict["inner_step"], None if state_dict["in_flight"] is None else
+                    (state_dict["in_flight"]["fragment"], state_dict["in_flight"]["step"]))
+            theta = agree.digest(state_dict["theta_bar"]) if self.world_size > 1 else b""
+        except Exception as e:  # anything this rank finds must not leave the others waiting
+            problem = e
+        groups, block = [resolve_group(self.group)[0]], None
+        if self._sharding is not None:
+            groups, block = [self._sharding.replicate, self._sharding.shard], \
+                self._sharding.replicas
+        agree.agree(problem, [
+            agree.Fact("(inner_step, in-flight (fragment, step))", step, error=StepMismatchError,
+                       hint="Every rank must load the state saved at the same inner step."),
+            agree.Fact("theta_bar", theta, within=True, show=False,
+                       hint="theta_bar is the same on every replica: load states of one save.")],
+            groups, what="DiLoCo.load_state_dict", block=block, timeout=self.timeout,
+            changed="nothing was loaded on any rank")
         self._drop_inflight()
         self._reissue = False
         for f, theta, mom in zip(self._fragments, state_dict["theta_bar"],

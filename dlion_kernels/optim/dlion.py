@@ -6,9 +6,10 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
+from ..exchange import agree, sharded
 from ..exchange import hierarchy as hier
-from ..exchange import sharded
 from ..exchange.buckets import BucketEngine, WeakHook, check_bucket_mb, remove_when_collected
 from ..exchange.checks import (
     check_hyperparameters,
@@ -18,7 +19,8 @@ from ..exchange.checks import (
 )
 from ..exchange.collectives import as_timedelta
 from ..exchange.copying import Copyable, attached_group
-from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion
+from ..exchange.header import StepMismatchError
+from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion, resolve_group
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -43,6 +45,29 @@ def _check_flags(flags: dict) -> None:
             raise ValueError(
                 f"{name} must be one of {allowed}, got {value!r}" + (f": {why}" if why else "")
             )
+
+
+# What every rank of a DistributedLion must share at construction (the last: the weights)
+_START_FACTS = ("mode", "votes", "nonfinite", "(overlap, bucket_mb)", "hierarchy",
+                "param groups (lr, betas, weight_decay, number of params)",
+                "parameters (shape, dtype, requires_grad)", "local shard shapes",
+                "group sizes", "the parameters")
+
+
+def _tensors(params) -> list:
+    """The tensors of ``params`` (tensors or param group dicts), or [] when unreadable."""
+    try:
+        out = []
+        for x in params:
+            x = x.get("params") if isinstance(x, dict) else x
+            out += [x] if isinstance(x, torch.Tensor) else list(x)
+        return out
+    except Exception:  # the start check reports it (torch.optim's own message)
+        return []
+
+
+def _any_dtensor(params) -> bool:
+    return any(sharded.is_dtensor(p) for p in _tensors(params))
 
 
 class DistributedLion(Copyable, torch.optim.Optimizer):
@@ -70,6 +95,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     Ranks on different steps (e.g. one rank resumed from another checkpoint) raise
     ``StepMismatchError`` on every rank, naming both step numbers; nothing is modified.
+
+    One decision at construction and at ``load_state_dict`` (``exchange/agree.py``): each rank
+    checks its arguments and state without raising, then one small all_gather (two with FSDP2:
+    the replicate group, then the shard group) shows every rank every rank's problem and a
+    digest of its arguments and starting parameters (FSDP2: of its local shards, compared
+    between the replicas of each shard); every rank then raises the same error, naming the
+    ranks and the values, or proceeds. A loaded state of another step count on any rank raises
+    ``StepMismatchError`` everywhere; nothing is built or loaded on any rank.
 
     Host syncs on CUDA: with ``nonfinite="raise"`` a step reads the ranks' headers once (to
     raise). With ``nonfinite="skip"`` or a GradScaler it reads nothing: the decision is settled
@@ -162,6 +195,46 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         manager=None,
         heal_momentum: str = "own",
     ):
+        if not isinstance(params, torch.Tensor):  # torch refuses a bare tensor itself
+            params = list(params)  # read twice: by torch.optim and by the start check
+        auto = isinstance(hierarchy, str) and hierarchy == "auto"
+        # A sharded optimizer given group= finds its mesh by a collective: after the verdict
+        late = device_mesh is None and group is not None and _any_dtensor(params)
+        problem = None
+        try:  # every check that can fail on one rank only, and nothing collective
+            self._configure(params, lr, betas, weight_decay, mode=mode, votes=votes,
+                            group=group, backend=backend, nonfinite=nonfinite, overlap=overlap,
+                            bucket_mb=bucket_mb, timeout=timeout, device_mesh=device_mesh,
+                            hierarchy=hierarchy, late=late,
+                            flags=dict(foreach=foreach, fused=fused, capturable=capturable,
+                                       differentiable=differentiable))
+            if manager is None and heal_momentum != "own":
+                raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
+        except (TypeError, ValueError) as e:
+            problem = e
+        self._agree_at_start(problem, params, group, device_mesh, hierarchy, timeout)
+        if late:
+            problem = None
+            try:
+                self._configure_sharded(hierarchy)
+            except (TypeError, ValueError) as e:
+                problem = e
+            self._agree_at_start(problem, params, group, device_mesh, hierarchy, timeout,
+                                 facts=False)
+        if auto:
+            self._choose_hierarchy()
+        if overlap:
+            self._build_engine()
+        self._elastic = None  # manager=: torchft's quorum around every step (elastic.py)
+        if manager is not None:
+            from .. import elastic
+            self._elastic = elastic.ElasticLion(self, manager, heal_momentum)
+
+    def _configure(self, params, lr, betas, weight_decay, *, mode, votes, group, backend,
+                   nonfinite, overlap, bucket_mb, timeout, device_mesh, hierarchy, late,
+                   flags) -> None:
+        """The constructor's local part: arguments checked, state laid out; raises
+        ValueError/TypeError on this rank alone (``__init__`` turns that into one verdict)."""
         check_hyperparameters(lr, betas, weight_decay)
         as_timedelta(timeout)
         check_options(mode, votes, backend, nonfinite)
@@ -173,8 +246,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             raise ValueError("hierarchy=\"auto\" and overlap=True are not combined yet (the "
                              "runtime model chooses L for overlap=False): pass hierarchy=L")
         check_bucket_mb(bucket_mb)
-        _check_flags(dict(foreach=foreach, fused=fused, capturable=capturable,
-                          differentiable=differentiable))
+        _check_flags(flags)
         # differentiable=False as torch's __setstate__ would add it: a copy's defaults are equal
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       differentiable=False))
@@ -183,26 +255,51 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self.overlap, self.bucket_mb = overlap, float(bucket_mb)
         self.timeout, self.device_mesh = timeout, device_mesh
         self._last_stats: StepStats | None = None
+        if not late:
+            self._configure_sharded(hierarchy)
+        hier.check_world(group, self.ranks_per_node)
+
+    def _configure_sharded(self, hierarchy) -> None:
         self._runtime()  # checks the parameters against device_mesh / group
         if self._sharding is not None:
-            if auto or self.ranks_per_node > 1:
+            if self.ranks_per_node > 1 or hierarchy == "auto":
                 raise ValueError(
                     f"hierarchy={hierarchy!r} does not apply to FSDP2 parameters: the mesh's "
                     "shard dimension is the node (FSDP reduces the gradients inside it) and its "
                     "replicas vote; pass hierarchy=None")
             for p in self._trainable():
                 self._exp_avg(p)  # the state exists before any step (module docstring)
-        hier.check_world(group, self.ranks_per_node)
-        if auto:
-            self._choose_hierarchy()
-        if overlap:
-            self._build_engine()
-        self._elastic = None  # manager=: torchft's quorum around every step (elastic.py)
-        if manager is not None:
-            from .. import elastic
-            self._elastic = elastic.ElasticLion(self, manager, heal_momentum)
-        elif heal_momentum != "own":
-            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
+
+    def _agree_at_start(self, problem, params, group, device_mesh, hierarchy, timeout,
+                        facts=True) -> None:
+        """One verdict on every rank of the job (``exchange/agree.py``): a problem found on any
+        rank, other arguments, or other starting weights where the ranks hold replicas of the
+        same tensors, raise the same error everywhere. One small all_gather (two with FSDP2)."""
+        groups, block = agree.start_groups(_tensors(params), device_mesh, group)
+        values = [None] * len(_START_FACTS)
+        if facts and problem is None:
+            listed = [p for g in self.param_groups for p in g["params"]]
+            local = [sharded.local(p) for p in self._trainable()]
+            values = [
+                self.mode, self.votes, self.nonfinite,
+                (self.overlap, self.bucket_mb if self.overlap else None),
+                "auto" if hierarchy == "auto" else self.ranks_per_node,
+                [(g["lr"], tuple(g["betas"]), g["weight_decay"], len(g["params"]))
+                 for g in self.param_groups],
+                [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in listed],
+                [tuple(t.shape) for t in local],
+                [dist.get_world_size(g) for g in groups],
+                agree.digest(local) if block > 1 else b"",
+            ]
+        checked = [agree.Fact(name, value) for name, value in zip(_START_FACTS, values)]
+        checked[-3] = agree.Fact(_START_FACTS[-3], values[-3], within=True)  # shards differ
+        checked[-1] = agree.Fact(
+            _START_FACTS[-1], values[-1], within=True, show=False,
+            hint="Every replica must start from the same weights: seed the initialization "
+                 "alike, or load the same checkpoint into the model on every rank.")
+        agree.agree(problem, checked if facts else [], groups, what="DistributedLion(...)",
+                    changed="nothing was built on any rank", block=block,
+                    timeout=agree.bound(timeout))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """With ``manager=``, also opens this step's quorum (a healing replica heals here)."""
@@ -614,23 +711,35 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         return stats
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's, checked first on every rank, then one verdict for the job (a problem
+        on any rank, or ranks loading states of other step counts or hyper-parameters, raise
+        the same error everywhere, nothing loaded); momentum stays fp32 (FSDP2: DTensors)."""
         self._settle()
         self._runtime()
+        problem, loaded, facts = None, [], [None, None]
+        try:
+            loaded = self._check_loaded(state_dict)
+            saved = state_dict["state"]
+            facts = [max((int(saved[i].get("step", 0)) for g in state_dict["param_groups"]
+                          for i in g["params"] if i in saved), default=0),
+                     [(g["lr"], tuple(g["betas"]), g["weight_decay"])
+                      for g in state_dict["param_groups"]]]
+        except Exception as e:  # anything this rank finds must not leave the others waiting
+            problem = e
+        if self._sharding is not None:
+            groups, block = [self._sharding.replicate, self._sharding.shard], \
+                self._sharding.replicas
+        else:
+            groups, block = [resolve_group(attached_group(self.group, self))[0]], None
+        hint = "Every rank must load the same checkpoint step (dk.load_state loads each its own)."
+        agree.agree(problem, [agree.Fact("step", facts[0], error=StepMismatchError, hint=hint),
+                              agree.Fact("param groups (lr, betas, weight_decay)", facts[1])],
+                    groups, what="DistributedLion.load_state_dict", block=block,
+                    changed="nothing was loaded on any rank",
+                    timeout=getattr(self, "timeout", None))
+        super().load_state_dict(state_dict)
         # torch casts floating state to the param's dtype; momentum stays fp32 here for exact
         # resume of bf16/fp16 models, so put the saved fp32 values back afterwards.
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        loaded = [(i, p, saved[i]["exp_avg"]) for i, p in zip(ids, params)
-                  if i in saved and "exp_avg" in saved[i]]
-        for i, p, m in loaded:  # checked before anything changes
-            where = f"state_dict['state'][{i!r}]['exp_avg']"
-            if self._sharding is not None:
-                self._sharding.check_momentum(m, p, where)
-            elif sharded.is_dtensor(m):
-                raise ValueError(f"{where} is a DTensor, saved by a DistributedLion over FSDP2 "
-                                 "parameters; this one's parameters are plain tensors")
-        super().load_state_dict(state_dict)
         for _, p, m in loaded:
             self.state[p]["exp_avg"] = (
                 self._sharding.loaded_momentum(m, p) if self._sharding is not None
@@ -660,3 +769,26 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         """Start the exchange of one DDP bucket: ``params`` and their ``grads`` (DDP's views of
         its flat buffer), laid out from block 0 in this order."""
         self._exchange_bucket(list(params), list(grads))
+
+    def _check_loaded(self, state_dict) -> list:
+        """What load_state_dict checks before anything changes (torch.optim's own group checks
+        included); returns the (id, param, momentum) to put back as fp32."""
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        saved = state_dict["state"]
+        ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in groups for p in g["params"]]
+        loaded = [(i, p, saved[i]["exp_avg"]) for i, p in zip(ids, params)
+                  if i in saved and "exp_avg" in saved[i]]
+        for i, p, m in loaded:
+            where = f"state_dict['state'][{i!r}]['exp_avg']"
+            if self._sharding is not None:
+                self._sharding.check_momentum(m, p, where)
+            elif sharded.is_dtensor(m):
+                raise ValueError(f"{where} is a DTensor, saved by a DistributedLion over FSDP2 "
+                                 "parameters; this one's parameters are plain tensors")
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        return loaded

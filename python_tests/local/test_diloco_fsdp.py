@@ -199,8 +199,12 @@ def test_syncs_on_local_shards(N, L):
                         assert s.inter_node_bytes_sent <= spec_bound(N, mode, votes, d, len(idx))
                         assert s.intra_node_bytes_sent == intra == (L - 1) * N * 2 * 4
                     else:
-                        assert s.inter_node_bytes_sent == round(2 * (N - 1) / N * 4 * d)
-                        assert s.intra_node_bytes_sent == intra == round(2 * (L - 1) / L * 4)
+                        # 2 step words per replica ride in the all-reduce; the shard group's
+                        # all-reduce carries the non-finite flag and every replica's step
+                        assert s.inter_node_bytes_sent == \
+                            round(2 * (N - 1) / N * 4 * (d + 2 * N if N > 1 else 0))
+                        assert s.intra_node_bytes_sent == intra == \
+                            round(2 * (L - 1) / L * 4 * (1 + L * N))
                     assert s.bytes_sent == s.bytes_received == \
                         s.inter_node_bytes_sent + s.intra_node_bytes_sent
 
@@ -338,7 +342,7 @@ def _bad_input_worker(rank, n):
     inner = torch.optim.AdamW(net.parameters())
     attempt("both", lambda: DiLoCo(net, inner, 2, device_mesh=mesh,
                                    group=mesh["replicate"].get_group()))
-    # one rank of each shard group asks for another sync_every: refused in the shard group
+    # one rank of each shard group asks for another sync_every: refused on every rank
     attempt("config", lambda: DiLoCo(net, inner, 2 if rank % 2 == 0 else 4, device_mesh=mesh))
     # replica 1 starts from other weights: refused in the replicate group
     other = _fsdp(mesh)
@@ -360,7 +364,10 @@ def test_bad_input():
         assert world == 2
         assert "plain tensors" in errors["plain model"]
         assert "not both" in errors["both"]
-        assert "shard group" in errors["config"] and "alike" in errors["config"]
+        assert "ranks [1, 3] sync_every=4; rank 0 sync_every=2" in errors["config"]
+        assert "nothing was built on any rank" in errors["config"]
+        # each replicate group compares its own shard; every rank hears of both
         assert "local shards" in errors["weights"] and "[2, 3]" not in errors["weights"]
-        assert ("[2]" if rank % 2 == 0 else "[3]") in errors["weights"], errors["weights"]
+        assert "ranks [2] differ from rank 0's" in errors["weights"], errors["weights"]
+        assert "ranks [3] differ from rank 1's" in errors["weights"], errors["weights"]
         assert "sharded over 1" in errors["state"]

@@ -322,11 +322,9 @@ def _distributed_worker(rank, n):
     model = _model()
     opt = dk.DistributedLion(model.parameters(), lr=1e-2, backend="torch")
     _train(model, opt, 2, rank=rank)
-    if rank == 1:
-        sd = copy.deepcopy(opt.state_dict())
-        for s in sd["state"].values():
+    if rank == 1:  # a rank on another step (load_state_dict refuses such a state on every rank)
+        for s in opt.state.values():
             s["step"] = 7
-        opt.load_state_dict(sd)
     before = _params(model), [s["exp_avg"].clone() for s in opt.state.values()]
     with pytest.raises(dk.StepMismatchError) as err:
         _train(model, opt, 1, start=2, rank=rank)
