@@ -1,4 +1,4 @@
-"""DiLoCo on the chars demo's transformer (issue 20): quality at a fixed inner-step budget, and
+"""DiLoCo on the chars demo's transformer: quality at a fixed inner-step budget, and
 loss against wall time and bytes on the emulated network.
 
 Quality (untimed; the demo itself, ``python -m dlion_kernels.demo --task chars``, once per
@@ -11,16 +11,16 @@ runs adamw-allreduce and dlion-vote (per step), diloco-nesterov at each H of ``-
 and diloco-dlion at each H x P of ``--fragments``, 4 workers, the same inner steps, global
 batches and initial weights for all, and writes ``quality.json`` (every demo row, per seed),
 ``quality.md`` (validation loss mean ± std over the seeds, bytes per rank per inner step, the
-issue's targets as measured) and each demo's own JSON.
+targets as measured) and each demo's own JSON.
 
 Wall clock (timed: run it under the shared lock):
 
-    flock /work/notes/bench.lock python bench/bench_diloco_chars.py wallclock \\
+    flock <lock file> python bench/bench_diloco_chars.py wallclock \\
         --rates 0.1 1 --iters 320 --extra-iters 160
 
 one emulated network per rate (``network.py``: 4 nodes of 1 rank, each node's link shaped to the
 rate in Gbit/s), 4 rank processes (gloo, 1 thread each) that train every strategy one after the
-other on the demo's model and data (seed 0), after ``--warmup`` dropped steps. Every
+other on the demo's model and data (random seed 0), after ``--warmup`` dropped steps. Every
 ``--eval-every`` inner steps the clock stops, every rank evaluates the validation loss
 (``Built.evaluation()``: theta_bar for DiLoCo; the evaluation steps are sync steps, so every
 rank holds it), and the clock starts again after a barrier; the per-step strategies get

@@ -1,5 +1,5 @@
 """Does the exchange hide behind backward? Whole training steps of the overlap variants against
-the same step without communication, each variant in its own launch, repeated (issue 21).
+the same step without communication, each variant in its own launch, repeated.
 
 Variants (the model, batch and step loop of ``bench_training.py``: ``--depth`` x (Linear(width,
 width) + GELU), 24 x 1024 = 25.2M fp32 parameters, MSE on one fixed batch per rank):
@@ -280,7 +280,7 @@ def _spread(config, variant, what, values, steps) -> dict:
 
 
 def targets(rat: list[dict]) -> list[str]:
-    """Issue 21's targets, PASS / FAIL as measured."""
+    """The overlap targets, PASS / FAIL as measured."""
     lines = []
     get = {(r["network"], r["variant"], r["ratio"]): r for r in rat}
     for config in dict.fromkeys(r["network"] for r in rat):
@@ -376,7 +376,7 @@ def run_bench(args) -> int:
               ("bwd_ms", "bwd", ".1f"), ("opt_ms", "opt", ".1f"), ("buckets", "buckets"),
               ("bytes_sent", "bytes/rank"), ("load_1min", "load", ".1f")],
               title="Launches"),
-          "### Targets (issue 21)\n\n" + "\n".join(f"- {x}" for x in lines) + "\n",
+          "### Targets\n\n" + "\n".join(f"- {x}" for x in lines) + "\n",
           "### Notes\n\n" + "\n".join(f"- {x}" for x in notes) + "\n"]
     if failed:
         md.append("### Failed launches\n\n" + "\n".join(

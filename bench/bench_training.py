@@ -6,7 +6,7 @@ traffic on the namespace's loopback), starts n rank processes (gloo, 1 thread ea
 every variant side by side, one after the other, on the same processes:
 
 Variants are strategies of ``dlion_kernels/strategies.py`` (``--variants``, ``--hier-variants``:
-slugs; the round-2 keys in brackets are accepted too), built on each rank by
+slugs; the legacy variant keys in brackets are accepted too), built on each rank by
 ``dlion_kernels/build.py`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
 ``bucket_mb``. By default:
 
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
         args.hier_variants = "dlion-local,lion-allreduce,dlion-vote,lion-allreduce-hier," \
             "dlion-vote-hier,fsdp-dlion"
     layouts = parse_layouts(args.layouts)
-    try:  # slugs, or the round-2 keys recorded commands use
+    try:  # slugs, or the legacy keys recorded commands use
         args.variants = [strategies.resolve(v).slug for v in args.variants.split(",") if v]
         args.hier_variants = [strategies.resolve(v).slug for v in args.hier_variants.split(",")
                               if v]

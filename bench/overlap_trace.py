@@ -1,4 +1,4 @@
-"""Per-bucket timelines of the D-Lion exchange during whole training steps (issue 21).
+"""Per-bucket timelines of the D-Lion exchange during whole training steps.
 
 ``Tracer`` records, on one rank, with ``time.perf_counter`` (CLOCK_MONOTONIC, the same clock in
 every process of the host, so ranks line up):

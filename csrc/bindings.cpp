@@ -12,7 +12,7 @@
 #ifdef DLION_WITH_CUDA
 #include "cuda/ops.h"
 #endif
-// --- AccumAdamW / AccumLion (decentralized training, SPEC §7) ---
+// --- AccumAdamW / AccumLion (decentralized training) ---
 #include "accum_common.h"
 #include "cpu/accum_kernels.h"
 #ifdef DLION_WITH_CUDA
@@ -166,7 +166,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
 }
 
-// --- AccumAdamW / AccumLion (decentralized training, SPEC §7) ---
+// --- AccumAdamW / AccumLion (decentralized training) ---
 namespace {
 void def_accum(py::module_& m) {
   using release = py::call_guard<py::gil_scoped_release>;

@@ -65,7 +65,7 @@ class Strategy:
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     nodes: bool = False  # runs on nodes of L = ranks_per_node > 1 ranks
     bucketed: bool = False  # exchanges per bucket of bucket_mb during backward
-    legacy: str | None = None  # its variant key in round-2 bench_training results
+    legacy: str | None = None  # its variant key in older bench_training results
 
     def problem(self, n: int, ranks_per_node: int = 1) -> str | None:
         """Why it cannot run on n ranks in nodes of ``ranks_per_node``, or None."""
@@ -112,7 +112,7 @@ def _entries():
                       nodes=hier, bucketed=overlap or hook,
                       legacy=legacy if mode == "vote" else None, mode=mode, overlap=overlap,
                       hierarchy=hier, ddp_hook=hook)
-    # FSDP2 (SPEC §10): sharded in nodes of L ranks; the replicas vote, or HSDP all-reduces
+    # FSDP2: sharded in nodes of L ranks; the replicas vote, or HSDP all-reduces
     for suffix, label, overlap in [("", "", False), ("-overlap", ", overlap", True)]:
         yield add(f"fsdp-dlion{suffix}", f"FSDP2 + D-Lion vote{label}", "fsdp", "dlion",
                   f"fsdp-dlion{suffix}", nodes=True, bucketed=overlap, sync="dlion",
@@ -129,7 +129,7 @@ def _entries():
                       bucketed=True,
                       legacy=round2.get(topology) if opt == "accum-adamw" else None,
                       topology=topology)
-    # DiLoCo (SPEC §11): inner AdamW alone on every rank, an outer step every H inner steps
+    # DiLoCo: inner AdamW alone on every rank, an outer step every H inner steps
     yield add("diloco-dlion", "DiLoCo, D-Lion vote outer step", "diloco", "adamw", "diloco-dlion",
               outer="dlion", mode="vote")
     yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
@@ -163,7 +163,7 @@ def get(slug: str) -> Strategy:
 
 
 def resolve(name: str) -> Strategy:
-    """The strategy named by a slug, or by the variant key that round-2
-    ``bench_training.py`` used before the slugs (``ddp_fp32``, ``dec_ring``, ...: its results
-    files and recorded commands)."""
+    """The strategy named by a slug, or by the variant key that older ``bench_training.py``
+    versions used before the slugs (``ddp_fp32``, ``dec_ring``, ...: their results files and
+    recorded commands)."""
     return _LEGACY[name] if name in _LEGACY else get(name)

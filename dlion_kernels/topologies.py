@@ -1,4 +1,4 @@
-"""Gossip topologies of decentralized training (SPEC §7): the rules, without torch.
+"""Gossip topologies of decentralized training: the rules, without torch.
 
 Each step t's mixing matrix W(t) is a set of disjoint groups of ranks that average with equal
 weights (so W(t) is doubly stochastic and the mean over ranks is kept). ``schedule(name, n, L, t)``

@@ -86,7 +86,7 @@ def test_built_strategies_train_and_count_their_bytes(trained):
                       ("lion-allreduce-fp16", 1e-3)]:
         for r in by[slug]:
             torch.testing.assert_close(r["grads"], mean, rtol=tol, atol=tol)
-    # D-Lion: SPEC §2 with HEADER_WORDS header words per peer, from its StepStats
+    # D-Lion: the wire-format bytes with HEADER_WORDS header words per peer, from its StepStats
     shard = shard_blocks(sum(num_blocks(k) for k in numels), N)
     vote = 4 * (N - 1) * (HEADER_WORDS + 2 * shard)
     assert all(r["sent"] == [vote] * 3 and r["source"] == "StepStats" and r["stats"]

@@ -1,4 +1,4 @@
-"""dk.save_state / dk.load_state (SPEC §9): per-rank files plus a manifest, exact resume on the
+"""dk.save_state / dk.load_state: per-rank files plus a manifest, exact resume on the
 same world size, the mean-momentum rule on another, clear errors before any change, and saves
 that a crash cannot turn into a checkpoint that loads wrong."""
 

@@ -16,13 +16,15 @@ On every page:
    page (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens).
 
 And the README's test command must be the one ``.ci/run`` runs; the pages (and the package's
-two top docstrings) speak of the user's task, not of how the project was run (``PROCESS``);
+two top docstrings) speak of the user's task, not of how the project was run (``PROCESS``), and so
+does the whole text of the sources (``SOURCE_GLOBS``: package, tests, csrc/, bench/*.py, CMake);
 ``docs/results.md`` links every folder of ``bench/results/``; the FSDP2 page's script runs.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import glob
 import importlib
 import importlib.util
@@ -181,6 +183,46 @@ def process_words(text: str) -> list[str]:
     return found
 
 
+# The sources whose whole text (code, comments, docstrings, messages, test names) is held to
+# PROCESS as well: the package, the tests, the native code, the benchmark scripts, the build.
+SOURCE_GLOBS = ("dlion_kernels/**/*.py", "python_tests/**/*.py", "csrc/**/*.cpp", "csrc/**/*.h",
+                "csrc/**/*.cu", "csrc/**/*.cuh", "bench/*.py", "CMakeLists.txt")
+# This file plants process words on purpose, to show that the check catches them.
+PLANTED = ("python_tests/test_docs.py",)
+# Files that other branches are changing now: they are swept after merging, and then this tuple
+# is emptied (fnmatch patterns, relative to the repository root).
+EXCLUDED_FOR_NOW = (
+    "dlion_kernels/local/diloco.py",
+    "dlion_kernels/optim/dlion.py",
+    "dlion_kernels/exchange/*.py",
+    "dlion_kernels/build.py",
+    "dlion_kernels/launch.py",
+    "python_tests/workers.py",
+    "python_tests/local/test_diloco.py",
+    "python_tests/local/test_diloco_build.py",
+    "python_tests/local/test_diloco_fsdp.py",
+    "python_tests/optim/test_contract.py",
+    "python_tests/optim/test_fsdp.py",
+    "python_tests/exchange/test_hierarchy.py",
+    "python_tests/exchange/test_hierarchy_failures.py",
+    "python_tests/exchange/test_sharded.py",
+    "python_tests/test_launch.py",
+)
+
+
+def source_files(root: Path = ROOT, excluded: tuple[str, ...] = EXCLUDED_FOR_NOW) -> list[Path]:
+    """The files of SOURCE_GLOBS under ``root``, less PLANTED and ``excluded``."""
+    files = {p for pattern in SOURCE_GLOBS for p in root.glob(pattern) if p.is_file()}
+    return sorted(p for p in files
+                  if not any(fnmatch.fnmatch(p.relative_to(root).as_posix(), skip)
+                             for skip in PLANTED + excluded))
+
+
+def source_process_words(path: Path) -> list[str]:
+    """Each process word anywhere in the source file ``path`` (not only its docstrings)."""
+    return process_words(path.read_text())
+
+
 # ----------------------------------------------------------------------------- the real docs
 
 
@@ -236,6 +278,23 @@ def test_no_process_words(path):
     if path.suffix == ".py":  # the module docstring
         text = ast.get_docstring(ast.parse(text)) or ""
     assert process_words(text) == []
+
+
+SOURCES = source_files()
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[p.relative_to(ROOT).as_posix() for p in SOURCES])
+def test_no_process_words_in_sources(path):
+    assert source_process_words(path) == []
+
+
+def test_sources_cover_the_code_and_the_exclusions_exist():
+    names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
+    assert {"dlion_kernels/__init__.py", "python_tests/test_layers.py", "csrc/bindings.cpp",
+            "bench/bench_overlap.py", "CMakeLists.txt"} <= names
+    everything = source_files(excluded=())
+    for skip in EXCLUDED_FOR_NOW:  # a stale entry would hide nothing: drop it
+        assert any(fnmatch.fnmatch(p.relative_to(ROOT).as_posix(), skip) for p in everything), skip
 
 
 def test_results_index_links_every_folder():
@@ -317,6 +376,32 @@ def test_process_words_are_caught():
     fine = ("--seed 1 and --seeds 0 1 2; the demo's lrs, seed 0); 3 rounds, rounded, around;\n"
             "bench/results/plan-network-round1/; bash bench/gpu_visit.sh; dk.save_state(opt, d)")
     assert process_words(fine) == []
+
+
+def test_source_scan_catches_process_words(tmp_path):
+    for path, text in [("dlion_kernels/x.py", "# SPEC §7: the rule\nx = 1\n"),
+                       ("dlion_kernels/exchange/y.py", '"""Issue 21\'s target."""\n'),
+                       ("csrc/cpu/k.h", "// ok\n// the round-2 layout\n"),
+                       ("bench/b.py", 'assert ok, "see the next round"\n'),
+                       ("bench/sub/deep.py", "# round 1, not scanned: not bench/*.py\n"),
+                       ("python_tests/test_t.py", "def test_z():\n    pass  # seed 0 is fine\n"),
+                       ("CMakeLists.txt", "# seed 2's factor\n"), ("notes.txt", "issue 3\n")]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    files = source_files(tmp_path, excluded=("dlion_kernels/exchange/*.py",))
+    assert [p.relative_to(tmp_path).as_posix() for p in files] == [
+        "CMakeLists.txt", "bench/b.py", "csrc/cpu/k.h", "dlion_kernels/x.py",
+        "python_tests/test_t.py"]
+    found = {p.relative_to(tmp_path).as_posix(): source_process_words(p) for p in files}
+    assert found == {
+        "CMakeLists.txt": ["line 1: a paper by its seed (\"seed 2's\")"],
+        "bench/b.py": ["line 1: a round ('next round')"],
+        "csrc/cpu/k.h": ["line 2: a round ('round-2')"],
+        "dlion_kernels/x.py": ["line 1: a SPEC section ('SPEC')", "line 1: a SPEC section ('§')"],
+        "python_tests/test_t.py": [],
+    }
+    assert source_process_words(tmp_path / "dlion_kernels/exchange/y.py") == [
+        "line 1: an issue number ('Issue 21')"]
 
 
 def test_slugs_follow_github():

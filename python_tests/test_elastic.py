@@ -278,7 +278,7 @@ def _check(run, sent_bound) -> None:
 
 
 def _vote_bytes(n, d):
-    """SPEC's vote/binary figure 2 (n-1)/n d/8, and it plus the padding: a step header (8
+    """The wire format's vote/binary figure 2 (n-1)/n d/8, and it plus the padding: a step header (8
     bytes) and at most one 32-element word per plane of each of the n shards, per peer."""
     if n == 1:
         return 0, 0

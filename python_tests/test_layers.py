@@ -6,7 +6,7 @@ attributes (``obj._name`` with ``_name`` defined elsewhere); the torch-free modu
 nothing but the standard library and each other; each wire constant and topology list has one home.
 
 A new module needs a floor in FLOORS (a prefix covers a whole package), and the table in
-docs/architecture.md says the same. KNOWN lists what other branches still owe: each entry names
+docs/architecture.md says the same. KNOWN lists the rule breaks not fixed yet: each entry names
 the import that breaks a rule today; remove it when its fix lands (the test then fails if the
 entry is stale, so the list can only shrink)."""
 
@@ -72,7 +72,7 @@ THIRD_PARTY_PRIVATE = {
         "sums them: the overflow vote every rank agrees on must be written back there",
 }
 
-# What other branches still owe (issue 18), as (rule, module[, what it imports or defines]).
+# Rule breaks not fixed yet, as (rule, module[, what it imports or defines]).
 KNOWN: set = set()
 
 

@@ -1,5 +1,6 @@
 """The registry of named strategies (dlion_kernels/strategies.py): one slug scheme, a row of the
-runtime model for every modelled strategy, the round-2 names resolved, and the layout rules."""
+runtime model for every modelled strategy, the legacy variant keys resolved, and the layout
+rules."""
 
 import re
 
@@ -9,8 +10,8 @@ from dlion_kernels import strategies
 from dlion_kernels.plan import model
 from dlion_kernels.topologies import TOPOLOGIES
 
-# bench_training's round-2 variant keys and the runtime-model rows bench_plan validates them on
-ROUND2 = {
+# bench_training's legacy variant keys and the runtime-model rows bench_plan validates them on
+LEGACY_KEYS = {
     "no_comm": ("dlion-local", None), "ddp_fp32": ("lion-allreduce", "lion-allreduce"),
     "ddp_fp16": ("lion-allreduce-fp16", None), "ddp_bf16": ("lion-allreduce-bf16",
                                                              "lion-allreduce-bf16"),
@@ -73,15 +74,15 @@ def test_every_row_is_one_the_model_predicts():
         assert s.row in rows, s.slug
 
 
-def test_round2_names_resolve():
-    for key, (slug, row) in ROUND2.items():
+def test_legacy_names_resolve():
+    for key, (slug, row) in LEGACY_KEYS.items():
         s = strategies.resolve(key)
         assert (s.slug, s.row) == (slug, row), key
         assert strategies.resolve(slug) is s
     with pytest.raises(ValueError, match="unknown strategy 'ddp_int8'"):
         strategies.resolve("ddp_int8")
     with pytest.raises(ValueError, match="unknown strategy 'dlion'"):
-        strategies.get("dlion")  # a round-2 key is not a slug
+        strategies.get("dlion")  # a legacy key is not a slug
 
 
 def test_get_names_what_is_allowed():

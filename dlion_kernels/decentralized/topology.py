@@ -1,4 +1,4 @@
-"""A gossip topology bound to a process group (SPEC §7): ``Topology`` creates every subgroup
+"""A gossip topology bound to a process group: ``Topology`` creates every subgroup
 of the schedule once (``dist.new_group`` is collective: every rank creates every group, in the
 same order, so the groups are enumerated over one period of the schedule in a fixed order). The
 rules themselves (names, ``check``, ``period``, ``schedule``) are ``dlion_kernels/topologies.py``.

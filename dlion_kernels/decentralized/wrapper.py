@@ -1,5 +1,5 @@
-"""``DecentralizedDataParallel``: seed 2's decentralized training with a full iteration of overlap
-(Wang et al., arXiv 2410.11998; SPEC §7), on the one bucket engine (``exchange/buckets.py``).
+"""``DecentralizedDataParallel``: the decentralized training of Wang et al. (arXiv 2410.11998)
+with a full iteration of overlap, on the one bucket engine (``exchange/buckets.py``).
 
 Iteration t on rank i, per bucket, in the bucket's post-accumulate-grad hook (during backward):
 
@@ -75,7 +75,7 @@ class _BucketState:
 
 
 class DecentralizedDataParallel(torch.nn.Module):
-    """Decentralized data-parallel training (SPEC §7).
+    """Decentralized data-parallel training.
 
     module: the model (its parameters must start identical on every rank only if you want a
         consensus start; each rank keeps its own copy and they drift apart between mixings).

@@ -1,4 +1,4 @@
-"""AccumAdamW and AccumLion steps (SPEC §7): the argument checks and the backend dispatch.
+"""AccumAdamW and AccumLion steps: the argument checks and the backend dispatch.
 
 One call updates a whole list of tensors of one parameter dtype with ONE fused multi-tensor kernel
 on the ``cpu`` (C++, ``csrc/cpu/accum_kernels.cpp``), ``cuda`` (``csrc/cuda/accum_kernels.cu``)

@@ -1,4 +1,4 @@
-"""AccumAdamW and AccumLion (SPEC §7): the fp32 reference and its scalars, the oracle of every
+"""AccumAdamW and AccumLion: the fp32 reference and its scalars, the oracle of every
 backend, and the ``torch`` backend of ``accum.py``. A leaf (it imports only torch): the dispatch
 (``accum.py``) and the backends (``accum_native.py``, ``accum_triton.py``) import it, and no
 backend imports the dispatch.

@@ -8,7 +8,7 @@ nearest to f * total / P (a tie goes to the earlier boundary), among the boundar
 least one tensor to every fragment. So each run's size is within one largest tensor of total / P
 (within half of one on each side of every cut, when no fragment is short of tensors).
 
-Schedule (SPEC §11): fragment f syncs at the inner steps t = 1, 2, ... with
+Schedule (streaming DiLoCo): fragment f syncs at the inner steps t = 1, 2, ... with
 t mod H == ((f + 1) * H / P) mod H, H = sync_every, a multiple of P. One fragment syncs every
 H / P steps; fragment P - 1 syncs at the multiples of H, as plain DiLoCo's single fragment does.
 """

@@ -1,7 +1,8 @@
-"""``AccumAdamW`` and ``AccumLion`` (SPEC §7; seed 2, Wang et al. 2024): AdamW and Lion whose
-moments take the mean gradient of K steps, so that small local batches of decentralized training
-do not feed the moments high-variance gradients. Each step is one fused multi-tensor kernel per
-(param group, dtype, device, step count) on the chosen backend (``kernels/accum.py``).
+"""``AccumAdamW`` and ``AccumLion`` (Wang et al. 2024, the decentralized-training paper): AdamW
+and Lion whose moments take the mean gradient of K steps, so that small local batches of
+decentralized training do not feed the moments high-variance gradients. Each step is one fused
+multi-tensor kernel per (param group, dtype, device, step count) on the chosen backend
+(``kernels/accum.py``).
 
 State per parameter (all fp32, as on every backend): ``step`` (int, counted per parameter; a
 parameter whose gradient is ``None`` is skipped and its count does not advance), ``accum`` (a),
@@ -140,7 +141,7 @@ class _AccumBase(Copyable, torch.optim.Optimizer):
 
 
 class AccumAdamW(_AccumBase):
-    """AdamW with K-step gradient accumulation into the moments (SPEC §7):
+    """AdamW with K-step gradient accumulation into the moments:
 
         x  = x (1 - lr wd) ;  a = a + g / K
         m~ = m + (1 - b1) g ;  v~ = v + (1 - b2) g^2 ;  k = ceil(t / K)
@@ -172,7 +173,7 @@ class AccumAdamW(_AccumBase):
 
 
 class AccumLion(_AccumBase):
-    """Lion with K-step gradient accumulation into the momentum (SPEC §7):
+    """Lion with K-step gradient accumulation into the momentum:
 
         c = b1 m + (1 - b1) g ;  x = x - lr (sign(c) + wd x) ;  a = a + g / K
         if t mod K == 0:  m = b2 m + (1 - b2) a ;  a = 0

@@ -29,7 +29,8 @@ the same cores, so it adds to the step even when the transfer hides behind backw
 Compute. fwd, bwd and optimizer (``opt_ms``: one pass of the optimizer over all parameters) per
 rank, plus a random extra delay per rank and step (``jitter_ms``: uniform on [0, jitter] or
 normal with sigma = jitter). A global collective waits for the slowest of n ranks, so its step
-pays E[max of n delays]; a gossip group pays E[max of its g members] (seed 2's third factor).
+pays E[max of n delays]; a gossip group pays E[max of its g members] (the third factor of
+Wang et al.'s decentralized-training paper).
 
 Strategies and their overlap (B buckets of ``bucket_mb`` MiB of fp32 gradients, as DDP and the
 bucket engine count them, ready at even
@@ -42,13 +43,13 @@ intervals during backward; one communication channel, buckets exchanged in order
   words of the non-finite flag and step counter that ride in every all_to_all chunk).
 - ``dlion-<mode>-overlap``: the same per bucket during backward (the local step of a bucket joins
   the backward stream); apply after the last bucket.
-- ``dlion-<mode>-hier[-overlap]`` (SPEC §6, L > 1): intra-node reduce-scatter of the fp32
+- ``dlion-<mode>-hier[-overlap]`` (hierarchy=L, L > 1): intra-node reduce-scatter of the fp32
   gradients, the vote exchange among the N node voters on 1/L of the elements (the node's L
   inter groups share its NIC), intra-node all-gather of the packed aggregate (as the library
   does; ``hier_gather="params"``: of the parameter shards); the local step on 1/L, the apply
   on all elements, x only, and the momentum update on 1/L (the whole apply on 1/L with gathered
   parameters).
-- ``fsdp-allreduce[-bf16]`` and ``fsdp-dlion[-overlap]`` (SPEC §10, L > 1):
+- ``fsdp-allreduce[-bf16]`` and ``fsdp-dlion[-overlap]`` (FSDP2, L > 1):
   FSDP2 in nodes of L, each bucket one FSDP unit. Forward: each unit's parameter shards are
   all-gathered in the node (prefetched one unit ahead on the one channel) before its compute;
   backward: gathered again, then the unit's gradients reduce-scattered in the node (fp32; bf16
@@ -60,7 +61,7 @@ intervals during backward; one communication channel, buckets exchanged in order
   groups, overlapping a whole iteration of compute: step = max(compute + wait of the group,
   gossip time). Each topology's schedule is averaged over its period.
 
-- ``diloco-dlion`` / ``diloco-nesterov`` (SPEC §11, local steps): every inner step is compute
+- ``diloco-dlion`` / ``diloco-nesterov`` (local steps): every inner step is compute
   alone; every H / P inner steps one fragment of d / P elements syncs (H = ``sync_every``, P =
   ``fragments``): D-Lion's exchange of it among all n ranks, or an fp32 all-reduce, plus one
   optimizer-like pass over it (the outer step). Per inner step: compute + the sync's exposed

@@ -34,7 +34,7 @@ def test_bench_overlap_smoke(tmp_path):
     assert data["metadata"]["command"] and not data["failed"]
     rows = data["rows"]
     assert [r["variant"] for r in rows] == ["no_comm", "dlion", "dlion_overlap",
-                                            "dlion_ddp_hook"]  # round 0: no rotation
+                                            "dlion_ddp_hook"]  # first round: no rotation
     for r in rows:
         assert r["step_ms"] > 0 and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["opt_ms"] > 0
     by = {r["variant"]: r for r in rows}

@@ -29,7 +29,7 @@ def test_bench_comm_smoke(tmp_path):
     assert {r["variant"] for r in rows} >= {"dlion vote/binary", "all_reduce fp32"}
     for r in rows:
         if r["variant"] == "dlion vote/binary":
-            # SPEC §2: 2 (n-1)/n * d/8 plus a few words of padding
+            # the wire-format bound: 2 (n-1)/n * d/8 plus a few words of padding
             assert 0 <= r["bytes_sent"] - r["bytes_formula"] <= 16 * r["n"]
     assert "| n |" in stdout
 

@@ -52,7 +52,7 @@ def test_bench_training_smoke(tmp_path):
     for r in rows:
         assert r["status"] == "ok" or r["skip_reason"], r
     d = ok[("flat", "dlion-vote", "main", 8, 1.0)]
-    # SPEC §2 vote/binary: 2 (n-1)/n * d/8 bytes plus a few words of padding
+    # the wire-format bound for vote/binary: 2 (n-1)/n * d/8 bytes plus a few words of padding
     assert 0 <= d["bytes_per_rank"] - d["params"] / 8 <= 64
     # flat layout: one rank per namespace, DDP's fp32 all-reduce crosses the veth (4d at n = 2)
     ddp = ok[("flat", "lion-allreduce", "main", 8, 1.0)]

@@ -1,8 +1,8 @@
-"""SPEC §9 for decentralized training (DecentralizedDataParallel, AccumAdamW, one bucket per
-parameter): a peer killed or stalled while gossip is in flight makes every other rank raise
-DistributedStepError naming the iteration and the gossip collective of a bucket, within the
-timeout plus a margin, from backward() or synchronize(); a dead peer in global_average() raises
-naming all_reduce(global average).
+"""Failure handling for decentralized training (DecentralizedDataParallel, AccumAdamW, one bucket
+per parameter): a peer killed or stalled while gossip is in flight makes every other rank raise
+DistributedStepError naming the iteration and the gossip collective of a bucket, within the timeout
+plus a margin, from backward() or synchronize(); a dead peer in global_average() raises naming
+all_reduce(global average).
 
 What is checked, per bucket (the gossip is per bucket): when a survivor raises at iteration t
 naming bucket k, its buckets 0..k-1 hold exactly the parameters of a run without any fault after

@@ -1,6 +1,6 @@
 """``python -m dlion_kernels.demo --task chars`` on real gloo workers with a tiny configuration:
 the character-level transformer trains under each strategy, the bytes per step follow the
-formulas of SPEC §2 and §7, the synchronous ranks stay identical and the decentralized ones are
+wire-format and gossip formulas, the synchronous ranks stay identical and the decentralized ones are
 evaluated on their average."""
 
 import json
@@ -30,8 +30,8 @@ MIN_DROP = 0.8  # nats
 
 
 def _dlion_bytes(numels, n, mode):
-    """SPEC §2 for one bucket: (n-1) all_to_all chunks of header + 1-bit votes of a shard, then
-    (n-1) gathered shards of the aggregate, in int32 words."""
+    """The wire format for one bucket: (n-1) all_to_all chunks of header + 1-bit votes of a shard,
+    then (n-1) gathered shards of the aggregate, in int32 words."""
     shard = shard_blocks(sum(num_blocks(k) for k in numels), n)
     up = (n - 1) * (HEADER_WORDS + shard * vote_planes("binary"))
     down = (n - 1) * shard * aggregate_planes(mode, "binary", n)

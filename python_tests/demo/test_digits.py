@@ -49,7 +49,7 @@ def test_demo_under_torchrun():
 def test_demo_hierarchy_rows(capsys):
     """Hierarchical D-Lion on 4 workers (2 nodes of 2) trains and sends fewer bytes between
     nodes than flat D-Lion sends in all."""
-    # Measured with these settings (seed 0): D-Lion vote 91.9%, hierarchical vote 92.2%,
+    # Measured with these settings (random seed 0): D-Lion vote 91.9%, hierarchical vote 92.2%,
     # hierarchical average 92.5%, Lion + all-reduce 92.2%.
     args = ["--workers", "4", "--epochs", "3", "--hidden", "32", "--lion-lr", "3e-3", "--quiet",
             "--strategy", "dlion-vote", "dlion-vote-hier", "dlion-average-hier",

@@ -73,8 +73,8 @@ def simulate(n, mode, votes, dtype):
 
 
 def spec_bound(n, mode, votes, d, tensors):
-    """SPEC §2 bytes sent per rank, plus the documented padding: one word per tensor and per
-    rank in each plane, and the step header (flags, step) to each peer."""
+    """The wire-format bytes sent per rank (docs/wire-format.md), plus the documented padding: one
+    word per tensor and per rank in each plane, and the step header (flags, step) to each peer."""
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
     return ((n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n)
             + 4 * HEADER_WORDS * (n - 1))

@@ -1,6 +1,6 @@
-"""SPEC §9: a rank that dies (SIGKILL) or stalls (SIGSTOP) at any point of a step makes every
-other rank raise DistributedStepError within the group's timeout plus a margin, naming the step
-and the collective, and no surviving rank applies a partial update.
+"""Failure handling: a rank that dies (SIGKILL) or stalls (SIGSTOP) at any point of a step makes
+every other rank raise DistributedStepError within the group's timeout plus a margin, naming the
+step and the collective, and no surviving rank applies a partial update.
 
 Real gloo processes (faults.py); every run is bounded and kills all its processes at the end.
 """

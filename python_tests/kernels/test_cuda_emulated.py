@@ -1,4 +1,4 @@
-"""Issue 12 (b): the CUDA kernels run on the CPU, against the reference, in every CI run.
+"""The CUDA kernels run on the CPU, against the reference, in every CI run.
 
 ``csrc/cuda/ops.cu`` (with ``kernels.cuh``) and ``csrc/cuda/accum_kernels.cu`` are compiled as host
 C++ with g++ against ``csrc/emu/cuda_emu.h``, an emulation of the CUDA builtins they use: one host

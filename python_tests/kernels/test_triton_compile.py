@@ -1,4 +1,4 @@
-"""Issue 12 (a): every Triton kernel compiles with the real compiler for sm_80 and sm_90, no GPU
+"""Every Triton kernel compiles with the real compiler for sm_80 and sm_90, no GPU
 needed, and the hot kernels do not spill. Registers and spills are printed (pytest -s shows them).
 
 conftest.py sets TRITON_INTERPRET=1, under which triton.compile is not the real compiler, so the

@@ -1,7 +1,7 @@
-"""SPEC §9 for dk.DiLoCo: a rank that dies (SIGKILL) or stalls (SIGSTOP) at a sync makes every
-other rank raise DistributedStepError within the timeout plus a margin, naming the sync's inner
-step and the collective, with theta_bar, the outer momenta and the parameters exactly as before
-that step() call (with overlap_steps the error comes at the apply step, tau steps later, and
+"""Failure handling for dk.DiLoCo: a rank that dies (SIGKILL) or stalls (SIGSTOP) at a sync makes
+every other rank raise DistributedStepError within the timeout plus a margin, naming the sync's
+inner step and the collective, with theta_bar, the outer momenta and the parameters exactly as
+before that step() call (with overlap_steps the error comes at the apply step, tau steps later, and
 still names the sync's step).
 
 Real gloo processes (faults.py); every run is bounded and kills all its processes at the end.

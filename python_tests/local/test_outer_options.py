@@ -259,7 +259,7 @@ def test_options_off_is_the_plain_step_bit_for_bit(ranks):
                 assert a["counted"] == b["counted"]
             assert rank[name]["keys"] == rank["plain"]["keys"]
         assert "outer_options" not in rank["plain"]["keys"]
-    # and the plain step is SPEC's D-Lion outer step (the reference of test_diloco.py)
+    # and the plain step is the D-Lion outer step (the reference of test_diloco.py)
     for t in (3, 6):
         check_outer_step([dict(records=[dict(before=r["before"][:3], after=r["after"][:3])
                                         for r in rank["plain"]["records"]]) for rank in ranks],

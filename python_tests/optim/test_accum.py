@@ -67,7 +67,7 @@ def test_accum_adamw_equals_decent_dp(K, backend):
 
 
 def _lion_accum_oracle(params, grads_per_step, lr, b1, b2, wd, K):
-    """SPEC §7's AccumLion written out with plain tensor ops (fp64)."""
+    """AccumLion's rule written out with plain tensor ops (fp64)."""
     xs = [p.detach().double().clone() for p in params]
     ms = [torch.zeros_like(x) for x in xs]
     accs = [torch.zeros_like(x) for x in xs]

@@ -125,8 +125,8 @@ def _bit_identity_worker(rank, n):
 
 
 def _bound(n, mode, votes, d, tensors, buckets):
-    """SPEC §2 plus padding (a word per tensor and per rank in each plane) and the 8-byte
-    header to each peer, per bucket."""
+    """The wire-format bound 2 (n-1)/n d/8 (docs/wire-format.md) plus padding (a word per tensor
+    and per rank in each plane) and the 8-byte header to each peer, per bucket."""
     p = vote_planes(votes) + aggregate_planes(mode, votes, n)
     return (n - 1) / n * p * d / 8 + 4 * p * (tensors + n * buckets) + 8 * (n - 1) * buckets
 

@@ -1,6 +1,6 @@
-"""SPEC §9 for the overlapped step and the DDP comm hook: a rank killed (SIGKILL) or stalled
-(SIGSTOP) while bucket exchanges are in flight during backward, or at step(), makes every other
-rank raise DistributedStepError naming the step and the collective, within the timeout plus a
+"""Failure handling for the overlapped step and the DDP comm hook: a rank killed (SIGKILL) or
+stalled (SIGSTOP) while bucket exchanges are in flight during backward, or at step(), makes every
+other rank raise DistributedStepError naming the step and the collective, within the timeout plus a
 margin, from backward() or step(); the failed step leaves parameters and momenta exactly as they
 were (the applies run only after the step's last collective).
 

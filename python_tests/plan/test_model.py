@@ -111,7 +111,7 @@ def test_hierarchical_hand_computed(gather):
     # The L inter groups cross the node's NIC at once: L x (up + down) bytes at 1 B/ns.
     expected = (rs + ag) / 10 / 1e6 + L * (up + down) / 1e6
     assert r.comm_ms == pytest.approx(expected)
-    # Inter bytes per rank: 1/L of flat D-Lion with N voters (SPEC §6), plus a header word.
+    # Inter bytes per rank: 1/L of flat D-Lion with N voters (hierarchy=L), plus a header word.
     flat_n_voters = 2 * (2 - 1) / 2 * d / 8
     assert r.inter_bytes_per_rank <= flat_n_voters / L + 2 * 4
 

@@ -1,6 +1,6 @@
-"""The runtime model's diloco-dlion and diloco-nesterov rows (SPEC §11 on §8): per inner step,
+"""The runtime model's diloco-dlion and diloco-nesterov rows (local steps): per inner step,
 compute plus one sync's exposed time and outer pass divided by the H / P steps between syncs;
-bytes against SPEC §2 and the ring all-reduce; the overlap rule; the jitter wait; bad input;
+bytes against the wire format and the ring all-reduce; the overlap rule; the jitter wait; bad input;
 the CLI and choose_strategy consider them."""
 
 import json
@@ -37,7 +37,7 @@ def test_hand_computed(H, P):
     outer = COMPUTE["opt_ms"] / P
     assert nest.step_ms == pytest.approx(34.0 + (sync / 1e6 + outer) / k)
     assert nest.exposed_comm_ms == pytest.approx(sync / 1e6 / k)
-    # D-Lion: SPEC §2 (1 bit up, 1 bit down per element, headers and padding): 1/32 and a bit
+    # D-Lion (wire format: 1 bit up, 1 bit down per element, headers, padding): 1/32 and a bit
     shard = math.ceil(D / P / 32 / N)
     up = (N - 1) * (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES
     down = (N - 1) * shard * aggregate_planes("vote", "binary", N) * WORD_BYTES

@@ -1,7 +1,7 @@
-"""The runtime model's FSDP2 rows (SPEC §10): fsdp-allreduce[-bf16] (HSDP) and
-fsdp-dlion[-overlap], their bytes inside and between nodes and their memory per rank
-against the formulas of SPEC §2 and §10, their times in hand-checkable cases, and the callers
-(``choose_strategy``, the CLI) that consider them."""
+"""The runtime model's FSDP2 rows: fsdp-allreduce[-bf16] (HSDP) and fsdp-dlion[-overlap], their
+bytes inside and between nodes and their memory per rank against the wire-format and FSDP2 byte
+formulas, their times in hand-checkable cases, and the callers (``choose_strategy``, the CLI) that
+consider them."""
 
 import math
 
@@ -32,8 +32,8 @@ def test_bytes_are_spec(n, L):
         inter = 2 * (N - 1) / N * wire * d / L
         assert r[name].inter_bytes_per_rank == pytest.approx(inter)
         assert r[name].intra_bytes_per_rank == pytest.approx(gathers + (L - 1) / L * wire * d)
-    # D-Lion: SPEC §2 for N voters on the d / L local elements (what hierarchy=L sends between
-    # nodes), plus the header gather in the node: 8 N bytes from each of the L - 1 peers
+    # D-Lion: the wire-format bytes for N voters on the d / L local elements (what hierarchy=L sends
+    # between nodes), plus the header gather in the node: 8 N bytes from each of the L - 1 peers
     for name in ("fsdp-dlion", "fsdp-dlion-overlap"):
         shard = shard_blocks(math.ceil(d / L / BLOCK), N)
         vote = (N - 1) * (2 * shard + HEADER_WORDS) * WORD_BYTES
@@ -57,7 +57,7 @@ def test_memory_per_rank():
         assert (r[name].param_bytes_per_rank, r[name].grad_bytes_per_rank,
                 r[name].state_bytes_per_rank) == (4 * d / L,) * 3
         assert r[name].memory_bytes_per_rank == pytest.approx(12 * d / L)
-        # issue 19's target: at most 1/L of flat D-Lion's, plus 5%
+        # the FSDP2 memory target: at most 1/L of flat D-Lion's, plus 5%
         assert r[name].memory_bytes_per_rank <= 1.05 * r["dlion-vote"].memory_bytes_per_rank / L
     assert r["dlion-vote"].memory_bytes_per_rank == 12 * d
     assert r["lion-allreduce"].memory_bytes_per_rank == 12 * d  # DDP + Lion
