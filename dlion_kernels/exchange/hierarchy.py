@@ -77,7 +77,13 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, check_params, check_tensor
-from .collectives import as_timedelta, collective, new_group, reduce_scatter_into_tensor
+from .collectives import (
+    DistributedStepError,
+    as_timedelta,
+    collective,
+    reduce_scatter_into_tensor,
+)
+from .groups import cached, new_group, retire
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
     WORD_BYTES,
@@ -93,7 +99,6 @@ from .pipeline import (
 )
 
 _F32_BYTES = 4
-_GROUPS: dict = {}
 # Names of the hierarchy's own collectives in errors (DistributedStepError) and fault tests; the
 # inter-node exchange keeps pipeline.py's names (all_to_all_single(votes), all_gather(aggregate)).
 REDUCE_SCATTER = "reduce_scatter_tensor(node gradient)"
@@ -177,14 +182,15 @@ def topology(group, ranks_per_node: int, timeout=None) -> Topology:
         raise ValueError("hierarchy needs an initialized default process group (torchrun)")
     check_world(group, ranks_per_node)
     n, L = dist.get_world_size(), ranks_per_node
-    key = (id(dist.group.WORLD), n, L, as_timedelta(timeout))
-    if key not in _GROUPS:
+
+    def make():
         N = n // L
         intra = [new_group(range(k * L, (k + 1) * L), timeout) for k in range(N)]
         # with N == 1 these are one-rank groups: the exchange then runs without a collective
         inter = [new_group(range(j, n, L), timeout) for j in range(L)]
-        _GROUPS[key] = (intra, inter)
-    intra, inter = _GROUPS[key]
+        return intra, inter
+
+    intra, inter = cached("hierarchy", None, make, n, L, as_timedelta(timeout))
     rank = dist.get_rank()
     node, local = divmod(rank, L)
     return Topology(n, L, n // L, node, local, intra[node], inter[local])
@@ -365,6 +371,17 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     (None: the groups' own timeout). Nothing is written (parameters, momentum shard) before the
     step's last collective has returned, so a failed step leaves this rank as it was."""
     topo = topology(group, ranks_per_node, timeout)
+    try:
+        return _hierarchical_step(topo, segments, momentum, mode=mode, votes=votes,
+                                  backend=backend, step=step, nonfinite=nonfinite,
+                                  timeout=timeout, found_inf=found_inf)
+    except DistributedStepError:
+        retire(topo.intra, topo.inter)  # work may be left pending on them: never reuse them
+        raise
+
+
+def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, nonfinite,
+                       timeout, found_inf) -> HierarchicalStepStats:
     L, N = topo.ranks_per_node, topo.nodes
     tensors = [p for s in segments for p in s.params]
     grads_all = [g for s in segments for g in s.grads]
@@ -564,6 +581,7 @@ class OverlapStep:
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
                            timeout=timeout)
+        self.ex.made_groups += [topo.intra, topo.inter]  # retired when a collective fails
         self.step, self.mode, self.votes = int(step), mode, votes
         self.intra = 0
 

@@ -45,8 +45,9 @@ shards. theta_bar, the outer momenta and d_i are of the local shard; the vote (o
 all-reduce) runs in the replicate group, between the N ranks holding the same shard, so the bytes
 are SPEC §2's for N voters on the local elements, between nodes. The fragments are cut by the
 global sizes, so every rank syncs the same tensors at the same step. One skip/raise decision
-for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered inside
-the shard group (a few bytes inside the node). The same-start check compares the local shards
+for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered over
+the whole mesh (a few bytes per rank), as the sync's last collective, so that a sync applies on
+every rank or on none (``exchange/sharded.py``, ``ShardAgreement``). The same-start check compares the local shards
 within each replicate group and the arguments within each shard group. ``group=`` may name the
 replicate group instead of ``device_mesh`` (as for ``DistributedLion``).
 
@@ -96,8 +97,8 @@ DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 DIGESTS = "all_gather(parameter digests)"
-# FSDP2: the non-finite flag of Nesterov's mean, agreed inside the shard group
-FLAGS = "all_reduce(shard non-finite flags)"
+# FSDP2: the non-finite flag of Nesterov's mean, agreed over the whole mesh
+FLAGS = "all_reduce(mesh non-finite flags)"
 _LABEL = "DiLoCo sync at inner step"
 _APPLIED = ("nothing of this sync was applied: theta_bar, the outer momenta and the parameters "
             "are as before this step() on this rank")
@@ -122,7 +123,7 @@ class SyncStats:
     votes: str | None = None
     backend: str | None = None
     # FSDP2 (``device_mesh=``): numel counts this rank's local elements and world_size is N, the
-    # replicas voting on them; bytes_sent adds the small agreement inside the shard group (L ranks)
+    # replicas voting on them; bytes_sent adds the small agreement over the whole mesh
     intra_node_bytes_sent: int = 0
     shards: int = 1
 
@@ -469,15 +470,17 @@ class DiLoCo:
 
     def _nonfinite_anywhere(self, mean: torch.Tensor, step: int) -> tuple[bool, int]:
         """Whether the mean pseudo-gradient holds inf or NaN here or, with FSDP2, on any rank of
-        the shard group (the other shards' means: one decision for the whole model), and the
+        the mesh (the other shards' means: one decision for the whole model), and the
         bytes that cost this rank (a ring all-reduce of one int32 flag)."""
         flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
         if self._shards == 1:
             return bool(flag), 0
+        # over the whole mesh, the sync's last collective: it completes on no rank unless every
+        # rank has its mean, so the sync applies on every rank or on none
+        mesh = sharded.mesh_group(self._sharding, step, self.timeout)
         collective(FLAGS, step, dist.all_reduce, flag, op=dist.ReduceOp.MAX,
-                   group=self._sharding.shard, timeout=self.timeout, label=_LABEL,
-                   applied=_APPLIED)
-        return bool(flag), round(gossip_bytes_per_step(1, 4, self._sharding.shards))
+                   group=mesh, timeout=self.timeout, label=_LABEL, applied=_APPLIED)
+        return bool(flag), round(gossip_bytes_per_step(1, 4, dist.get_world_size(mesh)))
 
     def _nesterov(self, fragment: _Fragment, mean: torch.Tensor) -> None:
         """torch.optim.SGD(momentum=mu, nesterov=True)'s update, tensor by tensor."""
