@@ -47,8 +47,8 @@ are SPEC §2's for N voters on the local elements, between nodes. The fragments 
 global sizes, so every rank syncs the same tensors at the same step. One skip/raise decision
 for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered over
 the whole mesh (a few bytes per rank), as the sync's last collective, so that a sync applies on
-every rank or on none (``exchange/sharded.py``, ``ShardAgreement``). The same-start check compares the local shards
-within each replicate group and the arguments within each shard group. ``group=`` may name the
+every rank or on none (``exchange/sharded.py``, ``ShardAgreement``). The same-start check
+compares the local shards within each replicate group and the arguments within each shard group. ``group=`` may name the
 replicate group instead of ``device_mesh`` (as for ``DistributedLion``).
 
 Checkpoints: ``state_dict()`` holds the inner step, every fragment's theta_bar and outer

@@ -372,7 +372,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             if ex is not None:
                 ex.finish(agree=self._agreement, abort=True)
             if hs is not None:
-                hs.ex.finish(abort=True)
+                hs.give_up()
         except DistributedStepError:
             raise  # the exchange retired its groups; this step is dropped below
         finally:

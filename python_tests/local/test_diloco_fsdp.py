@@ -197,10 +197,12 @@ def test_syncs_on_local_shards(N, L):
                             inter += run["records"][start - 1]["sent"]["replicate"]
                         assert s.inter_node_bytes_sent == inter, (case, t)
                         assert s.inter_node_bytes_sent <= spec_bound(N, mode, votes, d, len(idx))
-                        assert s.intra_node_bytes_sent == intra == (L - 1) * N * 2 * 4
+                        # the agreement over the whole mesh: [flag, step] to the n - 1 others
+                        assert s.intra_node_bytes_sent == intra == (N * L - 1) * 2 * 4
                     else:
                         assert s.inter_node_bytes_sent == round(2 * (N - 1) / N * 4 * d)
-                        assert s.intra_node_bytes_sent == intra == round(2 * (L - 1) / L * 4)
+                        n = N * L  # the flag's all-reduce runs over the whole mesh
+                        assert s.intra_node_bytes_sent == intra == round(2 * (n - 1) / n * 4)
                     assert s.bytes_sent == s.bytes_received == \
                         s.inter_node_bytes_sent + s.intra_node_bytes_sent
 
