@@ -17,6 +17,8 @@ applied the step (the step's last collective runs over the whole mesh).
 """
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
@@ -137,3 +139,91 @@ def test_errors_then_fresh_start_flat():
             assert got["unchanged"], where
             assert got["fresh"], where
     assert issubclass(StepAbortedError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- the fault matrix
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for sub in ("optim", "local"):  # the FSDP2 and DiLoCo tests' models and helpers
+    if os.path.join(HERE, sub) not in sys.path:
+        sys.path.insert(0, os.path.join(HERE, sub))  # spawned ranks inherit sys.path
+
+PG_TIMEOUT, MARGIN, FAULT_STEP, DEADLINE = 5.0, 20.0, 2, 300.0
+
+
+def _fsdp_fault_worker(rank, n, group, overlap, steps):
+    """DistributedLion on a 2 x 2 FSDP2 mesh (test_fsdp's model), overlap on or off; the ranks
+    line up on the default group before each step up to FAULT_STEP, from which
+    DistributedLion(timeout=PG_TIMEOUT) bounds every wait. Survivors report what they saw."""
+    from faults import attempt
+    from test_fsdp import _backward, _fsdp, _groups, _locals, _mesh, _momenta
+
+    mesh = _mesh(2, 2)
+    net = _fsdp(mesh)
+    opt = dk.DistributedLion(_groups(net), device_mesh=mesh, overlap=overlap, bucket_mb=1e-6)
+    completed = []
+    for t in range(steps):
+        if t <= FAULT_STEP:
+            dist.barrier()
+        if t == FAULT_STEP:
+            opt.timeout = PG_TIMEOUT
+        opt.zero_grad()
+        _backward(net, t, rank)
+        before = (_locals(net), _momenta(opt, net))
+        seen = attempt([("step", opt.step)])
+        if seen is not None:
+            return dict(seen, before=before, now=(_locals(net), _momenta(opt, net)),
+                        completed=completed)
+        completed.append([p.full_tensor() for p in net.parameters()])
+    return dict(error=None, completed=completed)
+
+
+FSDP_CASES = [
+    # (overlap, victim, action, point, collectives the survivors may name). Every survivor
+    # raises at FAULT_STEP: the agreement over the whole mesh is the step's last collective,
+    # and no rank completes it unless every rank reached it.
+    (False, 3, "kill", "after:" + A2A, {A2A, GATHER, sharded.HEADERS}),
+    (False, 2, "kill", "before:" + GATHER, {A2A, GATHER, sharded.HEADERS}),
+    (True, 1, "stop", "before:" + sharded.HEADERS, {sharded.HEADERS}),
+    (True, 3, "kill", "before:" + sharded.HEADERS, {sharded.HEADERS}),
+]
+
+
+@pytest.mark.parametrize("overlap,victim,action,point,names", FSDP_CASES,
+                         ids=[f"{'overlap' if c[0] else 'plain'}-{c[2]}-{c[3].split('(')[0]}"
+                              for c in FSDP_CASES])
+def test_fsdp_rank_dies_or_stalls_nothing_applied(overlap, victim, action, point, names):
+    """2 x 2 FSDP2: a rank killed or stalled at a collective of step FAULT_STEP; every survivor
+    raises DistributedStepError naming that step and a collective of it, in bounded time, with
+    its shards and momenta as they were: no rank applied the step."""
+    from faults import Fault, check_survivors, run_with_fault
+
+    fault = Fault(rank=victim, step=FAULT_STEP, point=point, action=action)
+    results = run_with_fault(4, _fsdp_fault_worker, fault, overlap, FAULT_STEP + 2,
+                             pg_timeout=PG_TIMEOUT, deadline=DEADLINE)
+    check_survivors(results, fault, 4, steps={FAULT_STEP}, names=names,
+                    limit=2 * PG_TIMEOUT + MARGIN, where={"step"})
+
+
+def _diloco_fsdp_worker(rank, n, group, outer):
+    from test_failures_diloco import fsdp_worker
+
+    return fsdp_worker(rank, n, group, outer)
+
+
+@pytest.mark.parametrize("outer", ["dlion", "nesterov"])
+def test_diloco_fsdp_stall_before_last_collective(outer):
+    """DiLoCo on a 2 x 2 FSDP2 mesh, rank 3 stalled just before the sync's last collective
+    (D-Lion's agreement, Nesterov's non-finite flag): it runs over the whole mesh, so every
+    survivor raises at that sync with theta_bar, the momenta and the parameters as before (with
+    it inside the shard group, ranks 0 and 1 used to apply the sync)."""
+    from faults import Fault, run_with_fault
+    from test_failures_diloco import FAULT_SYNC, _check_survivors
+
+    from dlion_kernels.local.diloco import FLAGS
+
+    last = sharded.HEADERS if outer == "dlion" else FLAGS
+    fault = Fault(rank=3, step=FAULT_SYNC, point=f"before:{last}", action="stop")
+    results = run_with_fault(4, _diloco_fsdp_worker, fault, outer, pg_timeout=PG_TIMEOUT,
+                             deadline=DEADLINE)
+    _check_survivors(results, 4, 3, FAULT_SYNC, 0, {last}, replicas=[(0, 2)])
