@@ -48,8 +48,9 @@ global sizes, so every rank syncs the same tensors at the same step. One skip/ra
 for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered over
 the whole mesh (a few bytes per rank), as the sync's last collective, so that a sync applies on
 every rank or on none (``exchange/sharded.py``, ``ShardAgreement``). The same-start check
-compares the local shards within each replicate group and the arguments within each shard group. ``group=`` may name the
-replicate group instead of ``device_mesh`` (as for ``DistributedLion``).
+compares the local shards within each replicate group and the arguments within each shard
+group. ``group=`` may name the replicate group instead of ``device_mesh`` (as for
+``DistributedLion``).
 
 Checkpoints: ``state_dict()`` holds the inner step, every fragment's theta_bar and outer
 momentum, and, inside an overlap window, the fragment's pseudo-gradients; loading it re-issues
