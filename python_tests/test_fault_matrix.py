@@ -61,9 +61,10 @@ def _identical(tensors) -> bool:
     return all(torch.equal(out[0], o) for o in out)
 
 
-def _fresh_step(net, rank, overlap, t=7) -> bool:
+def _fresh_step(net, rank, overlap, hierarchy=None, t=7) -> bool:
     """A new optimizer on the same group takes two steps; parameters identical everywhere."""
-    opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap, bucket_mb=1e-6)
+    opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap, bucket_mb=1e-6,
+                             hierarchy=hierarchy)
     for k in range(2):
         opt.zero_grad(set_to_none=True)
         _forward(net, rank, t + k).backward()
@@ -81,14 +82,16 @@ def _outcome(fn):
 
 def _errors_then_fresh_start(rank, n):
     out = {}
-    for overlap in (True, False):
+    for overlap, hierarchy in ((True, None), (False, None), (True, 2)):
         for case in ("second backward", "non-finite", "mismatch", "bad input on one rank",
                      "bad input everywhere"):
             if case == "second backward" and not overlap:
                 continue  # without overlap a second backward only accumulates
+            if hierarchy and case.startswith("bad input"):
+                continue  # hierarchy checks its input at the step's first bucket
             net = _model()
             opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap,
-                                     bucket_mb=1e-6)
+                                     bucket_mb=1e-6, hierarchy=hierarchy)
             _forward(net, rank, 0).backward()
             opt.step()  # one good step (forms the buckets)
             opt.zero_grad(set_to_none=True)
@@ -107,8 +110,8 @@ def _errors_then_fresh_start(rank, n):
             unchanged = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
             del opt  # its hooks go with it: the new optimizer is the only one on the model
             gc.collect()
-            out[(overlap, case)] = dict(error=seen, unchanged=unchanged,
-                                        fresh=_fresh_step(net, rank, overlap))
+            out[(overlap, hierarchy, case)] = dict(
+                error=seen, unchanged=unchanged, fresh=_fresh_step(net, rank, overlap, hierarchy))
     return out
 
 
@@ -122,18 +125,19 @@ EXPECTED = {
 }
 
 
-def test_errors_then_fresh_start_flat():
-    """Flat, 4 ranks, overlap on and off: each error on every rank alike (one decision), the
-    step changed nothing, and a new optimizer on the same group then steps with bit-identical
-    parameters on every rank; every process exits 0."""
+def test_errors_then_fresh_start():
+    """Flat, 4 ranks, overlap on and off, and hierarchy=2 with overlap: each error on every
+    rank alike (one decision), the step changed nothing, and a new optimizer on the same group
+    then steps with bit-identical parameters on every rank; every process exits 0."""
     results = run_workers(4, _errors_then_fresh_start)
-    wrong = [(r, overlap, case, got) for r, res in enumerate(results)
-             for (overlap, case), got in res.items()
-             if got["error"][0] != EXPECTED[case][r] or not got["unchanged"] or not got["fresh"]]
+    wrong = [(r, key, got) for r, res in enumerate(results) for key, got in res.items()
+             if got["error"][0] != EXPECTED[key[2]][r] or not got["unchanged"]
+             or not got["fresh"]]
     assert not wrong, wrong
+    assert len(results[0]) == 4 + 5 + 3
     for r, res in enumerate(results):
-        for (overlap, case), got in res.items():
-            where = (r, overlap, case, got["error"])
+        for (overlap, hierarchy, case), got in res.items():
+            where = (r, overlap, hierarchy, case, got["error"])
             if case == "second backward":
                 assert "no_sync" in got["error"][1], where
             assert got["unchanged"], where

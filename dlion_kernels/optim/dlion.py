@@ -633,11 +633,18 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._build_engine()  # a copy: the buckets are formed from declaration order
         self._refuse_scaler(grad_scaler)
         try:
-            self._engine.flush()  # buckets never made ready this step (unused parameters)
+            try:
+                self._engine.flush()  # buckets never made ready this step (unused parameters)
+                if getattr(self, "_hier_step", None) is not None:
+                    self._refresh()
+            except DistributedStepError:
+                raise  # a peer failed: the exchange retired the groups it made
+            except BaseException:
+                self._give_up()  # this rank's own error: no collective left in flight
+                raise
             hs, self._hier_step = getattr(self, "_hier_step", None), None
             if hs is None:  # no parameter takes part: nothing to exchange or apply
                 return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
-            self._refresh()
             stats = hs.finish()
         finally:
             self._hier_step = None
