@@ -146,8 +146,8 @@ class BucketEngine:
         initialized, else a single process).
     on_ready: called with each ``Bucket``, once per iteration, in bucket index order.
     on_misuse: None, or called (with no argument) just before a second ``backward()`` is
-        refused, so that the user of the engine can finish or give up the work it started for
-        this iteration (nothing may be left in flight when the error leaves ``backward()``).
+        refused, so that the user of the engine can complete the collectives it started for
+        this iteration (none may be left pending when the error leaves ``backward()``).
     """
 
     def __init__(self, params, *, bucket_mb: float, group=None,

@@ -308,7 +308,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                             for p in params]
             remove_when_collected(self, self._guards)
         self._engine = BucketEngine(params, bucket_mb=self.bucket_mb, group=self._group(),
-                                    on_ready=self._bucket_ready, on_misuse=self._give_up)
+                                    on_ready=self._bucket_ready, on_misuse=self._drain)
 
     def _reduced(self, param) -> None:
         if id(param) in self._exchanged:
@@ -347,6 +347,21 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             raise
 
     _giving_up = False
+
+    def _drain(self) -> None:
+        """A second ``backward()`` is being refused: the step stays open (its gradients are
+        untouched and ``step()`` can still finish it), but every collective it started is
+        completed now, on every group, so that none is left pending if the optimizer is
+        dropped after the error (a new one on the same group would pair its collectives with
+        the stale ones: gloo aborts the process)."""
+        try:
+            if self._exchange is not None:
+                self._exchange.abandon()
+            if getattr(self, "_hier_step", None) is not None:
+                self._hier_step.abandon()
+        except DistributedStepError:
+            self._drop_step()  # a peer failed: the exchange retired the groups it made
+            raise
 
     def _give_up(self) -> None:
         """This rank gives up the step in flight after an error of its own (a second backward,
