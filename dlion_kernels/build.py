@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .accounting import fsdp_unit_bytes, ring_all_reduce_bytes
 from .decentralized.wrapper import DecentralizedDataParallel
+from .exchange import groups
 from .exchange.collectives import gather_into_tensor, reduce_scatter_into_tensor
 from .exchange.sharded import local, memory_per_rank
 from .local.diloco import DiLoCo
@@ -172,18 +173,12 @@ def build(slug: str, model: torch.nn.Module, settings: Settings) -> Built:
 
 # ----------------------------------------------------------------------------- groups
 
-# (id of the default group, what) -> (default group, this rank's group): every rank creates
-# every group once per default group, in the same order (dist.new_group is collective).
-_GROUPS: dict = {}
+# Every rank creates every group once per default group, in the same order (dist.new_group is
+# collective), with the job's timeout (exchange/groups.py).
 
 
 def _cached(what, make):
-    world = dist.group.WORLD
-    hit = _GROUPS.get((id(world), what))
-    if hit is None or hit[0] is not world:
-        hit = (world, make())
-        _GROUPS[(id(world), what)] = hit
-    return hit[1]
+    return groups.cached("build", None, make, what)
 
 
 def _solo_group():
@@ -191,15 +186,15 @@ def _solo_group():
     n, rank = dist.get_world_size(), dist.get_rank()
     if n == 1:
         return None
-    return _cached("solo", lambda: [dist.new_group([r]) for r in range(n)][rank])
+    return _cached("solo", lambda: [groups.new_group([r]) for r in range(n)][rank])
 
 
 def _node_groups(L: int):
     """(this rank's node of L consecutive ranks, its group of same-local-rank peers)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     return _cached(("nodes", L), lambda: (
-        [dist.new_group(list(range(s, s + L))) for s in range(0, n, L)][rank // L],
-        [dist.new_group(list(range(j, n, L))) for j in range(L)][rank % L]))
+        [groups.new_group(range(s, s + L)) for s in range(0, n, L)][rank // L],
+        [groups.new_group(range(j, n, L)) for j in range(L)][rank % L]))
 
 
 # ----------------------------------------------------------------------------- builders

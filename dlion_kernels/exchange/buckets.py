@@ -145,10 +145,13 @@ class BucketEngine:
     group: the process group whose rank 0 decides the ready order (None: the default group if
         initialized, else a single process).
     on_ready: called with each ``Bucket``, once per iteration, in bucket index order.
+    on_misuse: None, or called (with no argument) just before a second ``backward()`` is
+        refused, so that the user of the engine can complete the collectives it started for
+        this iteration (none may be left pending when the error leaves ``backward()``).
     """
 
     def __init__(self, params, *, bucket_mb: float, group=None,
-                 on_ready: Callable[[Bucket], None]):
+                 on_ready: Callable[[Bucket], None], on_misuse: Callable[[], None] | None = None):
         self.bucket_mb = check_bucket_mb(bucket_mb)
         if not callable(on_ready):
             raise TypeError(f"on_ready must be callable, got {type(on_ready).__name__}")
@@ -161,7 +164,7 @@ class BucketEngine:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params.append(p)
-        self.group, self.on_ready = group, on_ready
+        self.group, self.on_ready, self.on_misuse = group, on_ready, on_misuse
         self.buckets: list[Bucket] | None = None
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._order: list[int] = []          # ready order of the recording iteration
@@ -183,6 +186,8 @@ class BucketEngine:
         # Runs before autograd accumulates ``grad`` into .grad: raising here leaves the
         # gradient that was already used untouched.
         if self._done[i]:
+            if self.on_misuse is not None:
+                self.on_misuse()
             raise RuntimeError(
                 "a second backward() reached parameters whose gradients were already "
                 "exchanged this step; call step() between backward() calls, or run every "
@@ -239,6 +244,14 @@ class BucketEngine:
             self._advance()
         finally:
             self._reset()
+
+    def reset(self) -> None:
+        """Start a new iteration without making anything ready (the work of this one was given
+        up)."""
+        if self.buckets is not None:
+            self._reset()
+        else:
+            self._done = [False] * len(self.params)
 
     def remove(self) -> None:
         """Remove the hooks; the engine makes nothing ready afterwards."""

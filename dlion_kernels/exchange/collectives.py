@@ -13,14 +13,18 @@ stalls (nothing arrives before the timeout). ``timeout=`` here is an extra, shor
 call: the collective is started with ``async_op=True`` and its ``Work`` is waited on for at most
 that long (``DistributedLion(timeout=)`` and ``DecentralizedDataParallel(timeout=)`` pass theirs).
 
-Subgroups the library makes itself (hierarchy's node groups, the decentralized topologies) are
-made by ``new_group`` here, with the default group's timeout (or the object's ``timeout=``):
-``dist.new_group`` alone would give them the backend's default of 30 minutes (gloo).
+Subgroups the library makes itself (hierarchy's node groups, the overlap's second groups, the
+mesh's group, the decentralized topologies) are made with the default group's timeout (or the
+object's ``timeout=``; ``new_group`` here and ``groups.py``): ``dist.new_group`` alone would give
+them the backend's default of 30 minutes (gloo). A collective that fails on one of them retires
+it (``groups.retire``): work may be left pending on it, so it is made again, never reused.
 
 After such an error the group is unusable (peers may be inside different collectives): destroy it
 (``dist.destroy_process_group()``), restart the job and resume from the last checkpoint
 (``dlion_kernels.load_state``). Nothing of the failed step was applied to the parameters: the
-exchange applies only after its last collective has returned (see ``step.py``).
+exchange applies only after its last collective has returned (see ``step.py``); on a mesh that
+last collective runs over every rank, so no rank has applied it (``sharded.py``,
+``hierarchy.commit``).
 """
 
 from __future__ import annotations

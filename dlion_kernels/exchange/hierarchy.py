@@ -77,9 +77,16 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
 from .checks import DTYPES, check_params, check_tensor
-from .collectives import as_timedelta, collective, new_group, reduce_scatter_into_tensor
+from .collectives import (
+    DistributedStepError,
+    as_timedelta,
+    collective,
+    reduce_scatter_into_tensor,
+)
+from .groups import cached, new_group, retire
 from .header import HEADER_WORDS, decide, make_header
 from .pipeline import (
+    ABORTED,
     WORD_BYTES,
     BucketWork,
     Exchange,
@@ -93,13 +100,14 @@ from .pipeline import (
 )
 
 _F32_BYTES = 4
-_GROUPS: dict = {}
 # Names of the hierarchy's own collectives in errors (DistributedStepError) and fault tests; the
 # inter-node exchange keeps pipeline.py's names (all_to_all_single(votes), all_gather(aggregate)).
 REDUCE_SCATTER = "reduce_scatter_tensor(node gradient)"
 FLAGS = "all_gather(node flags)"
 HEADERS = "all_gather(node headers)"
 NODE_GATHER = "all_gather(node aggregate)"
+# the step's last collective, over all n ranks (``commit``)
+COMMIT = "all_gather(commit)"
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,7 @@ class Topology:
     local: int
     intra: object  # process group of this rank's node
     inter: object  # process group of this rank's local rank across nodes
+    whole: object = None  # a group of all n ranks the library made (``commit``)
 
 
 def topology(group, ranks_per_node: int, timeout=None) -> Topology:
@@ -177,17 +186,33 @@ def topology(group, ranks_per_node: int, timeout=None) -> Topology:
         raise ValueError("hierarchy needs an initialized default process group (torchrun)")
     check_world(group, ranks_per_node)
     n, L = dist.get_world_size(), ranks_per_node
-    key = (id(dist.group.WORLD), n, L, as_timedelta(timeout))
-    if key not in _GROUPS:
+
+    def make():
         N = n // L
         intra = [new_group(range(k * L, (k + 1) * L), timeout) for k in range(N)]
         # with N == 1 these are one-rank groups: the exchange then runs without a collective
         inter = [new_group(range(j, n, L), timeout) for j in range(L)]
-        _GROUPS[key] = (intra, inter)
-    intra, inter = _GROUPS[key]
+        return intra, inter, new_group(range(n), timeout)
+
+    intra, inter, whole = cached("hierarchy", None, make, n, L, as_timedelta(timeout))
     rank = dist.get_rank()
     node, local = divmod(rank, L)
-    return Topology(n, L, n // L, node, local, intra[node], inter[local])
+    return Topology(n, L, n // L, node, local, intra[node], inter[local], whole)
+
+
+def commit(topo: Topology, mine: torch.Tensor, step, timeout=None):
+    """The step's last collective: every rank's [flags, step] (``mine``), all-gathered over all
+    n ranks once this rank has everything it needs to apply. A collective of some ranks (a node,
+    an inter-node group) completes whatever happens outside it, so with one last, a node could
+    apply step t while a rank of another node stalled before its last collective; this one
+    completes on no rank unless every rank has reached it, so a rank that dies or stalls at any
+    collective of the step leaves every rank unapplied. Returns the n headers [1, n, 2] and the
+    bytes this rank sent (between nodes, for the most part)."""
+    if topo.n == 1:
+        return mine.view(1, 1, HEADER_WORDS), 0
+    out = torch.empty(topo.n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
+    collective(COMMIT, step, all_gather, out, mine.contiguous(), topo.whole, timeout=timeout)
+    return out.view(1, topo.n, HEADER_WORDS), (topo.n - 1) * HEADER_WORDS * WORD_BYTES
 
 
 def check_tensors(params, grads) -> None:
@@ -365,6 +390,17 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     (None: the groups' own timeout). Nothing is written (parameters, momentum shard) before the
     step's last collective has returned, so a failed step leaves this rank as it was."""
     topo = topology(group, ranks_per_node, timeout)
+    try:
+        return _hierarchical_step(topo, segments, momentum, mode=mode, votes=votes,
+                                  backend=backend, step=step, nonfinite=nonfinite,
+                                  timeout=timeout, found_inf=found_inf)
+    except DistributedStepError:
+        retire(topo.intra, topo.inter, topo.whole)  # work may be pending on them: never reuse
+        raise
+
+
+def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, nonfinite,
+                       timeout, found_inf) -> HierarchicalStepStats:
     L, N = topo.ranks_per_node, topo.nodes
     tensors = [p for s in segments for p in s.params]
     grads_all = [g for s in segments for g in s.grads]
@@ -444,6 +480,12 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
         intra += (L - 1) * owned.numel() * WORD_BYTES
     else:
         aggregate = owned
+
+    # 6. over all n ranks, once every rank has its aggregate: the step applies everywhere or
+    # nowhere (``commit``)
+    _, sent = commit(topo, make_header(torch.zeros(1, dtype=torch.int32, device=device), step),
+                     step, timeout)
+    inter += sent
 
     # the momentum shard, then every parameter (x only: the rank's momentum is its shard)
     update_momentum(rows)
@@ -564,8 +606,9 @@ class OverlapStep:
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
                            timeout=timeout)
+        self.ex.made_groups += [topo.intra, topo.inter, topo.whole]  # retired on a failure
         self.step, self.mode, self.votes = int(step), mode, votes
-        self.intra = 0
+        self.intra = self.committed = 0
 
     @property
     def works(self) -> list:
@@ -580,15 +623,33 @@ class OverlapStep:
         """Issue and wait for the rest of this step's collectives; apply nothing."""
         self.ex.abandon()
 
+    def give_up(self) -> None:
+        """This rank gives the step up (an error of its own): every collective runs as in
+        ``finish``, the commit tells the other ranks (``ABORTED``), nothing is applied."""
+        self.ex.finish(agree=self._commit, abort=True)
+
+    def _commit(self, headers, aborted: bool = False) -> torch.Tensor:
+        """``Exchange.finish``'s agree: this rank's own header (flags OR-ed over the buckets,
+        ``ABORTED`` when it gives the step up) through ``commit``, the step's last collective."""
+        own = headers[:, self.topo.node * self.topo.ranks_per_node + self.topo.local, :]
+        flags = own[:, 0].amax().view(1)
+        if aborted:
+            flags = flags | ABORTED
+        mine = torch.cat([flags, own[:1, 1]]).to(torch.int32)
+        gathered, sent = commit(self.topo, mine, self.step, self.ex.timeout)
+        self.committed += sent
+        return gathered
+
     def finish(self) -> HierarchicalStepStats:
         """Waits, decides for all buckets and all n ranks at once, and applies;
         ``self.verdict`` holds the decision (read on the host here)."""
         ex = self.ex
-        stats = ex.finish()  # raises a step mismatch / NonFiniteGradientError
+        stats = ex.finish(agree=self._commit)  # raises a step mismatch / NonFinite...
         self.verdict = ex.verdict
         return HierarchicalStepStats(
-            bytes_sent=self.intra + ex.sent, bytes_received=self.intra + ex.sent,
+            bytes_sent=self.intra + ex.sent + self.committed,
+            bytes_received=self.intra + ex.sent + self.committed,
             numel=stats.numel, world_size=self.topo.n, mode=self.mode, votes=self.votes,
             backend=ex.backend, skipped=stats.skipped, buckets=stats.buckets,
-            intra_node_bytes_sent=self.intra, inter_node_bytes_sent=ex.sent,
+            intra_node_bytes_sent=self.intra, inter_node_bytes_sent=ex.sent + self.committed,
             nodes=self.topo.nodes, ranks_per_node=self.topo.ranks_per_node)

@@ -67,18 +67,36 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
-from .collectives import collective, gather_into_tensor, group_timeout
+from .collectives import DistributedStepError, collective, gather_into_tensor, group_timeout
 from .collectives import wait as wait_work
+from .groups import cached, new_group, retire
 from .header import HEADER_WORDS, NONFINITE, decide, make_header
 
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
 # the making of the gathers' group (once per group, at its first overlapped step)
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
 COMPANION = "new_group(gathers)"
+# A second flag bit of the step header (``header.py``'s word 0, beside ``NONFINITE``): this rank
+# gave up the step after an error of its own (bad input found after buckets were sent, a second
+# backward). Every rank then skips the step; the others raise ``StepAbortedError``.
+ABORTED = 2
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held inf or NaN on some rank; no rank changed anything."""
+
+
+class StepAbortedError(RuntimeError):
+    """Another rank gave up this step after an error of its own (it raised that error); no rank
+    changed anything, and the process group stays usable. ``step`` and ``ranks`` (the ranks of
+    the exchange's group that gave up) say which."""
+
+    def __init__(self, step, ranks):
+        self.step, self.ranks = step, list(ranks)
+        super().__init__(
+            f"D-Lion step {step}: rank(s) {self.ranks} of the exchange's group gave up the step "
+            "after an error of their own (see their error); nothing was updated on any rank. "
+            "The process group is still usable: fix the cause there and step again")
 
 
 @dataclass(frozen=True)
@@ -157,33 +175,44 @@ def check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
 
 
-_COMPANIONS: dict = {}
-
-
-def companion(group, device, step):
+def companion(group, device, step, family=None):
     """The gathers' group of ``group`` (None: the default group) for overlapped exchanges on
     ``device``: a second gloo group with the same ranks, in the same order, and the same timeout,
-    made once per group and kept; None where there is none (module docstring, Ordering): CUDA,
-    one rank, or a group that does not hold every rank of the job (``dist.new_group`` must be
-    called by every rank of the job in the same order, so only a group of every rank gets one,
-    at its first overlapped step, which every rank reaches at the same point of its program).
+    made once per group and kept (``groups.cached``: made again for another default group, and
+    after ``retire``); None where there is none (module docstring, Ordering): CUDA or one rank.
+
+    ``dist.new_group`` must be called by every rank of the job in the same order. A group of
+    every rank gets its companion at its first overlapped step, which every rank reaches at the
+    same point of its program. A group of some ranks gets one only with ``family``: the rank
+    lists of sibling groups that together hold every rank of the job once (e.g. the replicate
+    groups of an FSDP2 mesh, one per shard position); the companions of the whole family are
+    then made together, in family order, by every rank. Without a family such a group gets none.
 
     Making it is a collective of step ``step``: a peer that dies then raises
     ``DistributedStepError`` naming ``COMPANION``."""
     if torch.device(device).type != "cpu" or not (dist.is_available() and dist.is_initialized()):
         return None
     pg = group if group is not None else dist.group.WORLD
-    size = dist.get_world_size(pg)
-    if size == 1 or size != dist.get_world_size():
+    size, world = dist.get_world_size(pg), dist.get_world_size()
+    if size == 1:
         return None
-    if pg not in _COMPANIONS:
-        ranks = dist.get_process_group_ranks(pg)  # group rank order: the gathers' output order
-        timeout = group_timeout(pg) or group_timeout()
+    ranks = dist.get_process_group_ranks(pg)  # group rank order: the gathers' output order
+    if size == world:
+        family = [ranks]
+    elif family is None:
+        return None
+    family = [list(f) for f in family]
+    if sorted(r for f in family for r in f) != list(range(world)) or ranks not in family:
+        return None  # not a partition of the job holding this group: no collective order
+    timeout = group_timeout(pg) or group_timeout()
+
+    def make():
         made = []
-        collective(COMPANION, step, lambda: made.append(
-            dist.new_group(ranks, timeout=timeout, sort_ranks=False)))
-        _COMPANIONS[pg] = made[0]
-    return _COMPANIONS[pg]
+        collective(COMPANION, step, lambda: made.extend(
+            new_group(f, timeout, sort_ranks=False) for f in family))
+        return made[family.index(ranks)]
+
+    return cached("companion", pg, make, tuple(map(tuple, family)))
 
 
 def by_dtype(items):
@@ -290,6 +319,8 @@ class BucketWork:
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
         self.send[:, :HEADER_WORDS] = make_header(flag, ex.step)
+        if ex.aborted:
+            self.send[:, 0] |= ABORTED
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
         if n == 1:
             self.received = self.send
@@ -380,8 +411,9 @@ class Verdict:
     same on every rank) and, when ``nonfinite="raise"`` without a GradScaler, the
     ``NonFiniteGradientError``; it returns whether the step was skipped."""
 
-    def __init__(self, headers, skip, nonfinite: str, scaled: bool, defer: bool):
+    def __init__(self, headers, skip, nonfinite: str, scaled: bool, defer: bool, step=None):
         self.skip, self.nonfinite, self.scaled = skip, nonfinite, scaled
+        self.step = step
         self.event = None
         if defer and headers.is_cuda:
             self.headers = torch.empty(headers.shape, dtype=headers.dtype, pin_memory=True)
@@ -394,8 +426,12 @@ class Verdict:
     def resolve(self) -> bool:
         if self.event is not None:
             self.event.synchronize()
+        words = self.headers.cpu().view(-1, self.headers.shape[-2], HEADER_WORDS)
+        gave_up = sorted({r for b in words.tolist() for r, h in enumerate(b) if h[0] & ABORTED})
+        if gave_up:
+            raise StepAbortedError(self.step, gave_up)
         skipped = False
-        for bucket_headers in self.headers.cpu():  # raises StepMismatchError alike on every rank
+        for bucket_headers in words:  # raises StepMismatchError alike on every rank
             skipped |= decide(bucket_headers)
         if skipped and self.nonfinite == "raise" and not self.scaled:
             raise NonFiniteGradientError(
@@ -438,6 +474,19 @@ class Exchange:
         self.works: list[BucketWork] = []
         self.sent = 0
         self.write_back: list = []
+        self.aborted = False  # this rank gave up the step: its later headers say ABORTED
+        # groups the library made that this step's collectives use: retired when one fails
+        self.made_groups = [gather_group] if self.poll else []
+
+    @contextlib.contextmanager
+    def _retiring(self):
+        """A failed or timed-out collective may leave work pending on the library's groups (here
+        or on a peer): retire them, so that no later exchange pairs with the stale work."""
+        try:
+            yield
+        except DistributedStepError:
+            retire(*self.made_groups)
+            raise
 
     def row(self, param, grad, exp_avg, offset: int, segment: Segment) -> Row:
         """A bucket row; non-contiguous params/momenta are worked on through copies written
@@ -455,13 +504,20 @@ class Exchange:
     def add(self, rows: list[Row], blocks: int) -> None:
         self.add_work(BucketWork(rows, blocks, self), [r.grad for r in rows])
 
+    def add_aborted(self, blocks: int) -> None:
+        """A bucket of ``blocks`` blocks that this rank cannot take part in (its input was found
+        bad): sent with no votes and the ``ABORTED`` flag, so that every rank's collectives keep
+        their sizes and order and every rank skips the step."""
+        self.aborted = True
+        self.add_work(BucketWork([], blocks, self), [])
+
     def add_work(self, work: BucketWork, inputs) -> None:
         """Start ``work`` (``inputs``: the tensors it reads that the caller's stream made), then
         move the earlier buckets on: every one whose collective in flight is complete
         (``gather_group``), or the previous ones, lag one."""
         self.streams.side_waits_current()
         self.streams.used_on_side(inputs)
-        with self.streams.on_side():
+        with self._retiring(), self.streams.on_side():
             work.start()
             self.works.append(work)
             if self.poll:
@@ -486,39 +542,51 @@ class Exchange:
     def abandon(self) -> None:
         """Issue and wait for the rest of this step's collectives (so every rank's sequence
         stays matched) and apply nothing."""
-        with self.streams.on_side():
+        with self._retiring(), self.streams.on_side():
             self._progress(len(self.works), block=True)
             for w in self.works:
                 w.wait()
 
-    def finish(self, defer: bool = False, agree=None) -> StepStats:
+    def finish(self, defer: bool = False, agree=None, abort: bool = False) -> StepStats:
         """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
         resolves ``self.verdict``. ``agree``: None, or a function of the received headers
         [buckets, n, 2] returning the headers to decide from, [buckets', n', 2] (e.g. gathered
-        from ranks outside this group that must take the same decision: ``sharded.py``)."""
-        with self.streams.on_side():
+        from ranks outside this group that must take the same decision: ``sharded.py``); it
+        reads ``self.aborted``. ``abort``: this rank gives up the step (an error of its own):
+        every collective runs as in a normal finish (so every rank's sequence stays matched,
+        and ``agree`` tells the other ranks), nothing is applied here and the verdict is not
+        read (the caller raises its own error)."""
+        self.aborted |= abort
+        with self._retiring(), self.streams.on_side():
             self._progress(len(self.works), block=True)
             for w in self.works:
                 w.wait()
             if self.works:
                 headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
                 if agree is not None:
-                    headers = agree(headers)
+                    headers = agree(headers, aborted=True) if self.aborted else agree(headers)
             else:
                 headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
                                       device=self.device)
             # One device flag for all buckets: any rank's non-finite gradient, or a rank at
             # another step, skips every apply of every rank.
-            skip = ((headers[..., 0] & NONFINITE).amax()
+            skip = ((headers[..., 0] & (NONFINITE | ABORTED)).amax()
                     | (headers[..., 1] != headers[0, 0, 1]).any()).view(1) \
                 if self.works else None
+            if skip is not None and self.aborted:
+                skip = torch.ones_like(skip)
         self.streams.current_waits_side()
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
             w.apply(skip)
         # the one host read per step, after the applies are issued (none when deferred)
-        self.verdict = Verdict(headers, skip, self.nonfinite, self.found_inf is not None, defer)
+        self.verdict = Verdict(headers, skip, self.nonfinite, self.found_inf is not None, defer,
+                               self.step)
+        if self.aborted:
+            return StepStats(self.sent, self.sent, sum(w.numel for w in self.works), self.n,
+                             self.mode, self.votes, self.backend, skipped=True,
+                             buckets=len(self.works))
         skipped = False if defer else self.verdict.resolve()
         for original, copy in self.write_back:
             original.copy_(copy)

@@ -20,11 +20,17 @@ over the local shards):
   (a momentum shaped like the parameter would be deduplicated as a replicated tensor, keeping one
   replica's) and loads each back into its owner; on a mesh with the same N and another L it is
   resharded, element by element; another N does not fit the global shape and DCP refuses it.
-- ``ShardAgreement``: one skip/raise decision for all n ranks. The replicate exchange's headers
-  show this rank only its own replicate group, yet a non-finite value reaches only the reduced
-  shard that holds the element, and ranks of different shard groups may be on different steps.
-  So before anything is applied, every rank all-gathers inside its shard group (a small
-  intra-node collective) the headers it received: every rank then decides from all n headers.
+- ``ShardAgreement``: one skip/raise decision for all n ranks, and the step's last collective.
+  The replicate exchange's headers show this rank only its own replicate group, yet a non-finite
+  value reaches only the reduced shard that holds the element, and ranks of different shard
+  groups may be on different steps. So before anything is applied, every rank all-gathers its
+  own header over the whole mesh (two words per rank, on a group of all n ranks the library
+  makes), posted only once its exchange is complete: every rank decides from all n headers.
+  It runs over the whole mesh, not inside the shard group, so that the step applies on every
+  rank or on none: a collective of some ranks completes whatever happens outside it, so with
+  the shard group last, one shard group could apply step t while a rank of another stalled
+  before it. Over the whole mesh, completing it on any rank means every rank has finished its
+  exchange; a rank that dies or stalls at any collective before it leaves every rank unapplied.
 - ``memory_per_rank``: the bytes of parameters, gradients and optimizer state a rank holds.
 """
 
@@ -35,14 +41,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .collectives import collective
-from .header import HEADER_WORDS, NONFINITE
+from .collectives import DistributedStepError, collective
+from .groups import cached, new_group, retire
+from .header import HEADER_WORDS
 from .pipeline import StepStats, all_gather
 
 REPLICATE, SHARD = "replicate", "shard"
 # Name of the shard group's collective in errors (DistributedStepError) and fault tests
-HEADERS = "all_gather(shard headers)"
-_SOLO: dict = {}
+HEADERS = "all_gather(mesh headers)"
+MESH_GROUP = "new_group(mesh)"  # the making of the whole mesh's group, at its first step
 
 
 def _dtensor():
@@ -81,8 +88,9 @@ class ShardedStepStats(StepStats):
     """``StepStats`` of a step on FSDP2-sharded parameters. ``numel`` counts this rank's local
     elements and ``world_size`` is N, the voters of each shard, so ``allreduce_fp32_bytes`` is
     what HSDP's fp32 all-reduce of the same shard between replicas would send. ``bytes_sent`` is
-    the total: the exchange in the replicate group (between nodes) plus the header gather in the
-    shard group (inside the node)."""
+    the total: the exchange in the replicate group (between nodes, ``inter_node_bytes_sent``)
+    plus the agreement's header gather over the whole mesh, two words per rank
+    (``intra_node_bytes_sent``: it is no gradient traffic, and mostly inside the node)."""
 
     intra_node_bytes_sent: int = 0
     inter_node_bytes_sent: int = 0
@@ -100,6 +108,9 @@ class Sharding:
     shard: object  # process group of the L ranks of this rank's replica (the parameters' mesh)
     replicas: int  # N
     shards: int  # L
+    # every replicate group's ranks (group rank order), one per shard position: the family that
+    # makes the overlap's second groups together (``pipeline.companion``); () when unknown
+    replicate_family: tuple = ()
 
     def momentum_placements(self, param) -> list:
         """The momentum's placements: Shard(0) over replicate, the parameter's Shard(d) as
@@ -163,10 +174,27 @@ def _ranks(mesh) -> list[int]:
 def _solo_group():
     """A process group of this rank alone (N = 1 has no replicate dimension to take one from);
     created by this rank only, once per default group (a new one after a re-initialization)."""
-    key = (id(dist.group.WORLD), dist.get_rank())
-    if key not in _SOLO:
-        _SOLO[key] = dist.new_group([key[1]], use_local_synchronization=True)
-    return _SOLO[key]
+    me = dist.get_rank()
+    return cached("solo", None, lambda: new_group([me], use_local_synchronization=True), me)
+
+
+def mesh_group(sharding: Sharding, step, timeout=None):
+    """A process group of every rank of ``sharding``'s mesh (the shard group when N = 1), made
+    once at the mesh's first step (``groups.cached``) with the job's timeout: every rank of the
+    job makes it when the mesh holds every rank, else its members only. A collective of step
+    ``step``: a peer that dies then raises ``DistributedStepError`` naming ``MESH_GROUP``."""
+    if sharding.replicas == 1:
+        return sharding.shard
+    ranks = sorted(_ranks(sharding.mesh))
+    local_only = len(ranks) != dist.get_world_size()
+
+    def make():
+        made = []
+        collective(MESH_GROUP, step, lambda: made.append(
+            new_group(ranks, timeout, use_local_synchronization=local_only)))
+        return made[0]
+
+    return cached("mesh", None, make, tuple(ranks))
 
 
 def check_param(i: int, p, first) -> None:
@@ -261,7 +289,10 @@ def _from_mesh(device_mesh, shard_mesh, shard_group, L) -> Sharding:
             f"fully_shard(module, mesh=device_mesh['{SHARD}']) and name the dims "
             f"('{REPLICATE}', '{SHARD}') (else the first dim is replicate)")
     N = device_mesh.size(rep)
-    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L)
+    grid = device_mesh.mesh if rep == 0 else device_mesh.mesh.transpose(0, 1)  # [N, L]
+    family = tuple(tuple(grid[:, j].tolist()) for j in range(grid.shape[1]))
+    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L,
+                    family)
 
 
 def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
@@ -297,7 +328,8 @@ def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
 
     mesh = DeviceMesh.from_group([group, shard_group], shard_mesh.device_type, mesh=rows,
                                  mesh_dim_names=(REPLICATE, SHARD))
-    return Sharding(mesh, 0, 1, group, shard_group, N, L)
+    family = tuple(tuple(rows[:, j].tolist()) for j in range(L))
+    return Sharding(mesh, 0, 1, group, shard_group, N, L, family)
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -306,28 +338,44 @@ def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
 class ShardAgreement:
     """``Exchange.finish(agree=...)`` for sharded parameters: takes the headers this rank
     received in the replicate exchange ([buckets, N, 2]: flags and step of each replica of its
-    shard), summarises them as one [N, 2] (flags OR-ed over buckets; a sender's step is the same
-    in every bucket), all-gathers that inside the shard group and returns the n headers
-    ([1, n, 2], mesh order: replica-major), from which every rank takes the same decision: skip
-    if any rank flagged a non-finite gradient, ``StepMismatchError`` if any two ranks differ in
-    step. ``sent``: the bytes this rank sent in the shard group."""
+    shard), keeps its own (flags OR-ed over buckets, its step; ``pipeline.ABORTED`` added when
+    the exchange gave up the step) and all-gathers that over the whole mesh (``mesh_group``,
+    the step's last collective: module docstring). Returns the n headers ([1, n, 2], mesh ranks
+    in order), from which every rank takes the same decision: skip if any rank flagged a
+    non-finite gradient or gave up, ``StepMismatchError`` if any two ranks differ in step.
+    ``sent``: the bytes this rank sent in that gather. A failure in it retires the mesh's group
+    (``groups.retire``)."""
 
     def __init__(self, sharding: Sharding, step: int, timeout=None):
-        self.group, self.shards = sharding.shard, sharding.shards
+        self.sharding, self.shards = sharding, sharding.shards
         self.step, self.timeout = step, timeout
         self.sent = 0
 
-    def __call__(self, headers: torch.Tensor) -> torch.Tensor:
-        flags = (headers[..., 0] & NONFINITE).amax(0)
-        summary = torch.stack([flags, headers[0, :, 1]], dim=-1)  # [N, 2]
-        N, L = summary.shape[0], self.shards
-        if L == 1:
-            return summary.unsqueeze(0)
-        gathered = torch.empty(L * summary.numel(), dtype=torch.int32, device=summary.device)
-        collective(HEADERS, self.step, all_gather, gathered, summary.reshape(-1), self.group,
-                   timeout=self.timeout)
-        self.sent += (L - 1) * summary.numel() * summary.element_size()
-        return gathered.view(L, N, HEADER_WORDS).transpose(0, 1).reshape(1, N * L, HEADER_WORDS)
+    def __call__(self, headers: torch.Tensor, aborted: bool = False) -> torch.Tensor:
+        from .pipeline import ABORTED
+
+        me = dist.get_rank(self.sharding.replicate) if self.sharding.replicas > 1 else 0
+        own = headers[:, me, :]
+        flags = own[:, 0].amax().view(1) if own.shape[0] else own.new_zeros(1)
+        if aborted:
+            flags = flags | ABORTED
+        mine = torch.cat([flags, own[:1, 1]]) if own.shape[0] else \
+            torch.tensor([int(flags), self.step], dtype=torch.int32, device=headers.device)
+        mine = mine.to(torch.int32).contiguous()
+        n = self.sharding.replicas * self.shards
+        if n == 1:
+            return mine.view(1, 1, HEADER_WORDS)
+        group = None
+        try:
+            group = mesh_group(self.sharding, self.step, self.timeout)
+            gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
+            collective(HEADERS, self.step, all_gather, gathered, mine, group,
+                       timeout=self.timeout)
+        except DistributedStepError:
+            retire(group)
+            raise
+        self.sent += (n - 1) * mine.numel() * mine.element_size()
+        return gathered.view(1, n, HEADER_WORDS)
 
 
 def step_stats(stats: StepStats, agreement: ShardAgreement) -> ShardedStepStats:

@@ -47,10 +47,12 @@ shards. theta_bar, the outer momenta and d_i are of the local shard; the vote (o
 all-reduce) runs in the replicate group, between the N ranks holding the same shard, so the bytes
 are SPEC §2's for N voters on the local elements, between nodes. The fragments are cut by the
 global sizes, so every rank syncs the same tensors at the same step. One skip/raise decision
-for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered inside
-the shard group (a few bytes inside the node). The same-start check compares the local shards
-within each replicate group and the arguments within each shard group. ``group=`` may name the
-replicate group instead of ``device_mesh`` (as for ``DistributedLion``).
+for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered over
+the whole mesh (a few bytes per rank), as the sync's last collective, so that a sync applies on
+every rank or on none (``exchange/sharded.py``, ``ShardAgreement``). The same-start check
+compares the local shards within each replicate group and the arguments within each shard
+group. ``group=`` may name the replicate group instead of ``device_mesh`` (as for
+``DistributedLion``).
 
 Checkpoints: ``state_dict()`` holds the inner step, every fragment's theta_bar and outer
 momentum, and, inside an overlap window, the fragment's pseudo-gradients; loading it re-issues
@@ -105,8 +107,8 @@ OUTERS = ("dlion", "nesterov", "sparseloco")
 DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7, "sparseloco": 1.0}
 FORMAT = "dlion_kernels.DiLoCo"
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
-# FSDP2: the non-finite flag of Nesterov's mean, agreed inside the shard group
-FLAGS = "all_reduce(shard non-finite flags)"
+# FSDP2: the non-finite flag of Nesterov's mean and every rank's steps, agreed over the mesh
+FLAGS = "all_reduce(mesh non-finite flags)"
 _LABEL = "DiLoCo sync at inner step"
 # What every rank of a DiLoCo must share at construction (the last two: per replica block)
 _START_FACTS = ("sync_every", "outer", "outer_lr", "outer_betas", "outer_weight_decay",
@@ -136,7 +138,7 @@ class SyncStats:
     votes: str | None = None
     backend: str | None = None
     # FSDP2 (``device_mesh=``): numel counts this rank's local elements and world_size is N, the
-    # replicas voting on them; bytes_sent adds the small agreement inside the shard group (L ranks)
+    # replicas voting on them; bytes_sent adds the small agreement over the whole mesh
     intra_node_bytes_sent: int = 0
     shards: int = 1
 
@@ -540,31 +542,33 @@ class DiLoCo:
     def _nonfinite_anywhere(self, mean: torch.Tensor, step: int,
                             steps: list[int]) -> tuple[bool, int]:
         """Whether the mean pseudo-gradient holds inf or NaN here or, with FSDP2, on any rank of
-        the shard group (the other shards' means: one decision for the whole model), and the
-        bytes that cost this rank (a ring all-reduce of int32 words). ``steps``: the inner steps
-        of the replicas (the all-reduce's header); with FSDP2 those of every replicate group
-        ride along in the same all-reduce, so every rank of the job sees every step. Raises
-        ``StepMismatchError`` on every rank when they differ; nothing was applied."""
+        the mesh (the other shards' means: one decision for the whole model), and the bytes that
+        cost this rank (a ring all-reduce of int32 words). ``steps``: the inner steps of the
+        replicas (the all-reduce's header); with FSDP2 every rank's row of them rides along in
+        the same all-reduce over the whole mesh, so every rank of the job sees every step. That
+        all-reduce is the sync's last collective: it completes on no rank unless every rank has
+        its mean, so the sync applies on every rank or on none. Raises ``StepMismatchError`` on
+        every rank when the steps differ; nothing was applied."""
         flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
         table = [steps]
         intra = 0
         if self._shards > 1:
-            me, L = dist.get_rank(self._sharding.shard), self._sharding.shards
-            words = torch.full((1 + L * len(steps),), -1, dtype=torch.int32)
+            mesh = sharded.mesh_group(self._sharding, step, self.timeout)
+            me, M = dist.get_rank(mesh), dist.get_world_size(mesh)
+            words = torch.full((1 + M * len(steps),), -1, dtype=torch.int32)
             words[0] = int(flag)
             words[1 + me * len(steps):][: len(steps)] = torch.tensor(steps, dtype=torch.int32)
             words = words.to(mean.device)
             collective(FLAGS, step, dist.all_reduce, words, op=dist.ReduceOp.MAX,
-                       group=self._sharding.shard, timeout=self.timeout, label=_LABEL,
-                       applied=_APPLIED)
-            flag, table = words[:1].cpu(), words[1:].view(L, -1).tolist()
-            intra = round(gossip_bytes_per_step(words.numel(), 4, L))
+                       group=mesh, timeout=self.timeout, label=_LABEL, applied=_APPLIED)
+            flag, table = words[:1].cpu(), words[1:].view(M, -1).tolist()
+            intra = round(gossip_bytes_per_step(words.numel(), 4, M))
         if len({s for row in table for s in row}) > 1:
             raise StepMismatchError(
                 f"DiLoCo sync: the ranks are at different inner steps: {table} (per replica"
-                f"{', one row per shard' if len(table) > 1 else ''}); nothing of this sync was "
-                "applied on any rank (theta_bar, the outer momenta and the parameters are as "
-                "before this step()). "
+                f"{', one row per rank of the mesh' if len(table) > 1 else ''}); nothing of "
+                "this sync was applied on any rank (theta_bar, the outer momenta and the "
+                "parameters are as before this step()). "
                 "Every rank must load the state saved at the same inner step and call step() "
                 "the same number of times")
         return bool(flag), intra

@@ -17,7 +17,7 @@ from ..exchange.checks import (
     check_params,
     check_tensors,
 )
-from ..exchange.collectives import as_timedelta
+from ..exchange.collectives import DistributedStepError, as_timedelta
 from ..exchange.copying import Copyable, attached_group
 from ..exchange.header import StepMismatchError
 from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion, resolve_group
@@ -426,7 +426,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                             for p in params]
             remove_when_collected(self, self._guards)
         self._engine = BucketEngine(params, bucket_mb=self.bucket_mb, group=self._group(),
-                                    on_ready=self._bucket_ready)
+                                    on_ready=self._bucket_ready, on_misuse=self._drain)
 
     def _reduced(self, param) -> None:
         if id(param) in self._exchanged:
@@ -435,8 +435,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def _check_reduced_once(self) -> None:
         if not self._reduced_again:
             return
-        if self._exchange is not None:
-            self._exchange.abandon()  # every rank's collectives stay matched; nothing applied
+        self._give_up()  # every rank's collectives stay matched; nothing applied
         raise RuntimeError(
             "a second backward() reduced gradients (FSDP2 added them into .grad) whose votes "
             "were already exchanged this step; nothing was updated. Accumulate with FSDP2's "
@@ -450,12 +449,76 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         return attached_group(self.group, self)
 
     def _bucket_ready(self, bucket) -> None:
-        if self.ranks_per_node > 1:
-            self._hierarchical_bucket(bucket)
-        elif self._sharding is not None:  # the engine's layout is of the full tensors
-            self._exchange_bucket(bucket.params)
-        else:
-            self._exchange_bucket(bucket.params, layout=(bucket.offsets, bucket.blocks))
+        try:
+            if self.ranks_per_node > 1:
+                self._hierarchical_bucket(bucket)
+            elif self._sharding is not None:  # the engine's layout is of the full tensors
+                self._exchange_bucket(bucket.params)
+            else:
+                self._exchange_bucket(bucket.params, layout=(bucket.offsets, bucket.blocks))
+        except DistributedStepError:
+            self._drop_step()  # a peer failed: the exchange retired the groups it made
+            raise
+        except BaseException:
+            if not self._giving_up:  # bad input found in backward: give the step up here
+                self._give_up()
+            raise
+
+    _giving_up = False
+
+    def _drain(self) -> None:
+        """A second ``backward()`` is being refused: the step stays open (its gradients are
+        untouched and ``step()`` can still finish it), but every collective it started is
+        completed now, on every group, so that none is left pending if the optimizer is
+        dropped after the error (a new one on the same group would pair its collectives with
+        the stale ones: gloo aborts the process)."""
+        try:
+            if self._exchange is not None:
+                self._exchange.abandon()
+            if getattr(self, "_hier_step", None) is not None:
+                self._hier_step.abandon()
+        except DistributedStepError:
+            self._drop_step()  # a peer failed: the exchange retired the groups it made
+            raise
+
+    def _give_up(self) -> None:
+        """This rank gives up the step in flight after an error of its own (a second backward,
+        bad input found after buckets were sent, a refused GradScaler): every collective that
+        the other ranks issue for this step is issued here too -- the buckets not started yet
+        are started, with the ``ABORTED`` flag -- and waited for, and nothing is applied. So no
+        collective is left pending on any group, the same or a new optimizer can step next,
+        and the other ranks skip the step too (raising ``StepAbortedError`` when the flag
+        reached them: a bucket was still to start, or FSDP2's agreement). A no-op when nothing
+        of the step was started."""
+        if self._giving_up:
+            return
+        self._giving_up = True
+        try:
+            ex, hs = self._exchange, getattr(self, "_hier_step", None)
+            if ex is not None:
+                ex.aborted = True
+            if hs is not None:
+                hs.ex.aborted = True
+            if (ex is not None or hs is not None) and self._engine is not None:
+                self._engine.flush()  # the buckets the others start at their step()
+            ex, hs = self._exchange, getattr(self, "_hier_step", None)
+            if ex is not None:
+                ex.finish(agree=self._agreement, abort=True)
+            if hs is not None:
+                hs.give_up()
+        except DistributedStepError:
+            raise  # the exchange retired its groups; this step is dropped below
+        finally:
+            self._giving_up = False
+            self._drop_step()
+
+    def _drop_step(self) -> None:
+        """Forget the step in flight (given up, finished, or failed)."""
+        self._exchange = self._agreement = None
+        self._hier_step = None
+        self._exchanged, self._reduced_again = set(), False
+        if self._engine is not None:
+            self._engine.reset()
 
     def _refuse_scaler(self, grad_scaler) -> None:
         scaled = (grad_scaler is not None and grad_scaler.is_enabled()) or any(
@@ -463,14 +526,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if not scaled:
             return
         # Finish this step's collectives (the same on every rank) and drop them: nothing moves.
-        if self._engine is not None:
-            self._engine.flush()
-        if self._exchange is not None:
-            self._exchange.abandon()
-            self._exchange = None
-        if getattr(self, "_hier_step", None) is not None:
-            self._hier_step.abandon()
-            self._hier_step = None
+        self._give_up()
         raise ValueError(
             "fp16 GradScaler cannot be combined with overlap=True or the DDP comm hook: the votes "
             "are taken during backward, from still-scaled gradients. Use overlap=False without "
@@ -529,7 +585,10 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                       group=group, backend=self.backend, step=step,
                                       nonfinite=self.nonfinite, found_inf=self._found_inf,
                                       streams=self._streams, timeout=timeout,
-                                      gather_group=companion(group, device, step)
+                                      gather_group=companion(
+                                          group, device, step,
+                                          family=self._sharding.replicate_family
+                                          if self._sharding is not None else None)
                                       if overlapped else None)
             self._exchanged = set()
             if self._sharding is not None:
@@ -560,9 +619,20 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 params = [sharded.local(p) for p in params]
                 grads = [sharded.local(g) for g in grads]
                 exp_avgs = [sharded.momentum_local(m) for m in exp_avgs]
-            check_tensors(list(params), grads, exp_avgs)
             offsets, blocks = layout if layout is not None else block_offsets(
                 p.numel() for p in params)
+            if ex.aborted:  # giving the step up: the bucket keeps its size, carries no votes
+                ex.add_aborted(blocks)
+                self._exchanged.update(ids)
+                return
+            try:
+                check_tensors(list(params), grads, exp_avgs)
+            except (TypeError, ValueError):
+                # bad input on this rank only, found after other buckets may have been sent:
+                # the others still get this bucket, flagged, and skip the step as well
+                ex.add_aborted(blocks)
+                self._exchanged.update(ids)
+                raise
             ex.add([ex.row(p, g, m, off, seg) for p, g, m, off, seg
                     in zip(params, grads, exp_avgs, offsets, segments)], blocks)
             self._exchanged.update(ids)
@@ -601,17 +671,23 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._refuse_scaler(grad_scaler)
         self._found_inf = amp.before_exchange(self, grad_scaler, device)
         try:
-            if self._engine is not None:
-                self._engine.flush()  # buckets never made ready this step (unused parameters)
-            self._check_reduced_once()
-            params = self._trainable()
-            rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
-                else params
-            if rest or self._exchange is None:
-                self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
+            try:
+                if self._engine is not None:
+                    self._engine.flush()  # buckets never made ready this step (unused params)
+                self._check_reduced_once()
+                params = self._trainable()
+                rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
+                    else params
+                if rest or self._exchange is None:
+                    self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
+                self._refresh()
+            except DistributedStepError:
+                raise  # a peer failed: the exchange retired the groups it made
+            except BaseException:
+                self._give_up()  # this rank's own error: no collective left in flight
+                raise
             ex, self._exchange = self._exchange, None
             agreement, self._agreement = self._agreement, None
-            self._refresh()
             # Nothing can raise from this step's decision: leave it on the device (no host sync)
             defer = (device.type == "cuda" or self._defer_on_cpu) and (
                 self.nonfinite == "skip" or self._found_inf is not None)
@@ -697,11 +773,18 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._build_engine()  # a copy: the buckets are formed from declaration order
         self._refuse_scaler(grad_scaler)
         try:
-            self._engine.flush()  # buckets never made ready this step (unused parameters)
+            try:
+                self._engine.flush()  # buckets never made ready this step (unused parameters)
+                if getattr(self, "_hier_step", None) is not None:
+                    self._refresh()
+            except DistributedStepError:
+                raise  # a peer failed: the exchange retired the groups it made
+            except BaseException:
+                self._give_up()  # this rank's own error: no collective left in flight
+                raise
             hs, self._hier_step = getattr(self, "_hier_step", None), None
             if hs is None:  # no parameter takes part: nothing to exchange or apply
                 return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
-            self._refresh()
             stats = hs.finish()
         finally:
             self._hier_step = None

@@ -251,9 +251,10 @@ def _check(n, L, variants):
         p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, N)
         # SPEC §2 bytes for N voters, per rank, divided by L; padding: the sub-shard rounding
         # (at most one block per tensor and one per rank), the one-word flag and the two-word
-        # [flag, step] header of the all_to_all chunks.
+        # [flag, step] header of the all_to_all chunks, and the step's commit.
         formula = (p_in + p_out) * (N - 1) / N * d / 8
         padding = (N - 1) * 4 * ((p_in + p_out) * (k // n + 2) + 3)
+        padding += (n - 1) * 2 * 4  # the commit over all n ranks: [flag, step] each
         for r, res in enumerate(results):
             got = res[(mode, votes)]
             for e, p in zip(expect, got["params"]):

@@ -57,7 +57,7 @@ def worker(rank, n, group, steps):
     return dict(error=None, completed=completed, **info)
 
 
-RS, FLAGS, NODE = hier.REDUCE_SCATTER, hier.FLAGS, hier.NODE_GATHER
+RS, FLAGS, NODE, COMMIT = hier.REDUCE_SCATTER, hier.FLAGS, hier.NODE_GATHER, hier.COMMIT
 CASES = [
     # (victim, action, point, steps the survivors fail at, collectives they may name)
     # rank 1 dies before the node reduce-scatter: rank 0 fails in it, node {2, 3} when it
@@ -65,15 +65,19 @@ CASES = [
     (1, "kill", "before:" + RS, {FAULT_STEP}, {RS, FLAGS}),
     # rank 0 dies between the two inter-node collectives: rank 2 fails in them, rank 1 and 3
     # in the intra-node gather of the aggregate (after their own exchange completed).
-    (0, "kill", "after:" + A2A, {FAULT_STEP}, {A2A, GATHER, NODE}),
+    (0, "kill", "after:" + A2A, {FAULT_STEP}, {A2A, GATHER, NODE, COMMIT}),
     # rank 3 stalls before the intra-node gather: rank 2 times out in it; node {0, 1} completes
-    # the step and fails in the next one's flag exchange with node {2, 3}.
-    (3, "stop", "before:" + NODE, {FAULT_STEP, FAULT_STEP + 1}, {NODE, FLAGS}),
+    # its gather and waits in the commit over all ranks, which no rank completes: no rank
+    # applies the step (with the node gather last, node {0, 1} used to apply it).
+    (3, "stop", "before:" + NODE, {FAULT_STEP}, {NODE, COMMIT}),
+    # rank 1 stalls before the commit itself: every other rank times out in it.
+    (1, "stop", "before:" + COMMIT, {FAULT_STEP}, {COMMIT}),
 ]
 
 
 @pytest.mark.parametrize("victim,action,point,steps,names", CASES,
-                         ids=["kill-reduce-scatter", "kill-inter-exchange", "stop-node-gather"])
+                         ids=["kill-reduce-scatter", "kill-inter-exchange", "stop-node-gather",
+                              "stop-commit"])
 def test_dead_or_stalled_rank_hierarchy_n4(victim, action, point, steps, names):
     fault = Fault(rank=victim, step=FAULT_STEP, point=point, action=action)
     results = run_with_fault(N, worker, fault, FAULT_STEP + 3, pg_timeout=PG_TIMEOUT,

@@ -35,19 +35,22 @@ def test_memory_per_rank_plain():
 
 
 class _Fake:
-    """What ShardAgreement reads of a Sharding, without a process group (L = 1)."""
+    """What ShardAgreement reads of a Sharding, without a process group (N = L = 1)."""
 
-    shard, shards = None, 1
+    replicate = shard = None
+    replicas = shards = 1
 
 
 def test_agreement_summary():
-    """Headers [buckets, N, 2] -> one [N, 2] summary: a replica's flag is OR-ed over the
-    buckets, its step is its first bucket's; with L = 1 no collective and no bytes."""
-    headers = torch.tensor([[[0, 5], [0, 7]],
-                            [[NONFINITE, 5], [0, 7]]], dtype=torch.int32)
+    """Headers [buckets, 1, 2] -> this rank's own [1, 1, 2]: its flag OR-ed over the buckets,
+    its step; a rank that gave the step up adds ABORTED; with n = 1 no collective, no bytes."""
+    from dlion_kernels.exchange.pipeline import ABORTED
+
+    headers = torch.tensor([[[0, 5]], [[NONFINITE, 5]]], dtype=torch.int32)
     agree = sharded.ShardAgreement(_Fake(), step=5)
-    got = agree(headers)
-    assert torch.equal(got, torch.tensor([[[NONFINITE, 5], [0, 7]]], dtype=torch.int32))
+    assert torch.equal(agree(headers), torch.tensor([[[NONFINITE, 5]]], dtype=torch.int32))
+    assert torch.equal(agree(headers, aborted=True),
+                       torch.tensor([[[NONFINITE | ABORTED, 5]]], dtype=torch.int32))
     assert agree.sent == 0
 
 
@@ -109,14 +112,11 @@ def test_mesh_layout_agreement_memory():
         assert res["placements"], r
         assert "keeps each momentum as a DTensor of global shape (2, 3, 48)" in res["plain"]
         assert "has global shape (2, 48, 64)" in res["shape"], res["shape"]
-        # each rank passes the two headers it "received" (its fake ones); after the gather in
-        # the shard group of replica i, row k * 2 + j' is what rank (i, j') got from replica k
-        expect = []
-        for k in range(2):  # replica of the sender
-            for lp in range(2):  # the shard rank that received it: rank 2 i + lp
-                sender = 2 * i + lp
-                expect.append([sender % 2, 10 + sender] if k == 0 else [0, 20 + sender])
-        assert res["agreed"] == ([expect], 2 * 2 * 4), (r, res["agreed"])
+        # each rank passes the two headers it "received" (its fake ones) and keeps its own (its
+        # row in its replicate group: replica q // 2); the gather over the whole mesh puts rank
+        # q's own header at position q
+        expect = [[q % 2, 10 + q] if q < 2 else [0, 20 + q] for q in range(4)]
+        assert res["agreed"] == ([expect], 3 * 2 * 4), (r, res["agreed"])
         memory, local, full = res["memory"]
         assert memory == dict(params=4 * local, grads=0, optimizer_state=4 * local), r
         assert local <= full / 2 + 64 + 1, (local, full)

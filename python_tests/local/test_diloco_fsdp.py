@@ -197,14 +197,16 @@ def test_syncs_on_local_shards(N, L):
                             inter += run["records"][start - 1]["sent"]["replicate"]
                         assert s.inter_node_bytes_sent == inter, (case, t)
                         assert s.inter_node_bytes_sent <= spec_bound(N, mode, votes, d, len(idx))
-                        assert s.intra_node_bytes_sent == intra == (L - 1) * N * 2 * 4
+                        # the agreement over the whole mesh: [flag, step] to the n - 1 others
+                        assert s.intra_node_bytes_sent == intra == (N * L - 1) * 2 * 4
                     else:
-                        # 2 step words per replica ride in the all-reduce; the shard group's
-                        # all-reduce carries the non-finite flag and every replica's step
+                        # 2 step words per replica ride in the all-reduce; the flag's
+                        # all-reduce over the whole mesh carries every rank's row of steps
                         assert s.inter_node_bytes_sent == \
                             round(2 * (N - 1) / N * 4 * (d + 2 * N if N > 1 else 0))
+                        n = N * L
                         assert s.intra_node_bytes_sent == intra == \
-                            round(2 * (L - 1) / L * 4 * (1 + L * N))
+                            (0 if L == 1 else round(2 * (n - 1) / n * 4 * (1 + n * N)))
                     assert s.bytes_sent == s.bytes_received == \
                         s.inter_node_bytes_sent + s.intra_node_bytes_sent
 

@@ -232,7 +232,7 @@ def _check_vs_hierarchy(n, L, variants, bucket_mb, buckets):
             # and per rank, and the header words
             spec = (p_in + p_out) * (N - 1) / N * d / 8
             padding = (N - 1) * 4 * ((p_in + p_out) * (len(numels) / N + 1) + 2)
-            intra = (L - 1) * N * 2 * 4  # the [flag, step] of the N replicas, to L - 1 ranks
+            intra = (N * L - 1) * 2 * 4  # this rank's [flag, step] to the n - 1 others
             for t, row in enumerate(res[(mode, votes)]):
                 where = (r, mode, votes, t)
                 assert row["params"] and row["momenta"], where
@@ -883,13 +883,13 @@ def _fault_worker(rank, n, group, steps):
 CASES = [
     # (victim, action, point, steps the survivors fail at, collectives they may name)
     # rank 3 (replica 1, shard 1) dies before its vote exchange: rank 1 fails in the exchange,
-    # ranks 0 and 2 in the shard group's header gather (rank 1 and 3 never join it).
+    # ranks 0 and 2 in the agreement over the whole mesh (rank 3 never joins it).
     (3, "kill", "before:all_to_all_single(votes)", {FAULT_STEP},
      {"all_to_all_single(votes)", "all_gather(aggregate)", sharded.HEADERS}),
-    # rank 3 stalls before the header gather: rank 2 times out in it; ranks 0 and 1 finish the
-    # step and fail in the next one's exchange with replica 1.
-    (3, "stop", "before:" + sharded.HEADERS, {FAULT_STEP, FAULT_STEP + 1},
-     {sharded.HEADERS, "all_to_all_single(votes)", "all_gather(aggregate)"}),
+    # rank 3 stalls before the agreement, the step's last collective: it runs over the whole
+    # mesh, so no rank completes it and no rank applies the step (with it inside the shard
+    # group, ranks 0 and 1 used to apply step t while ranks 2 and 3 did not).
+    (3, "stop", "before:" + sharded.HEADERS, {FAULT_STEP}, {sharded.HEADERS}),
 ]
 
 

@@ -1,0 +1,233 @@
+"""Errors a step can raise, then a fresh start; and ranks dying or stalling at the collectives of
+a step on a mesh.
+
+"Errors then a fresh start" (no rank dies, so many cases run in one launch): every error a
+step can raise -- a second backward, a non-finite gradient, ranks on different steps, bad input
+on one rank found after buckets were sent -- leaves no collective pending on any group the
+library made. Each case then builds a NEW optimizer on the same process group, steps, and checks
+that every rank holds bit-identical parameters; the processes exit 0 (``run_workers`` fails
+otherwise). Before the fix, a second backward with ``overlap=True`` left the gathers of the given
+up exchange pending on the overlap's second group, and the next optimizer's first step aborted a
+rank (gloo: "Received data size doesn't match expected size").
+
+The fault matrix (one launch per fault, since a rank dies): on a 2 x 2 FSDP2 mesh a rank is
+killed or stalled at each collective of a step, with overlap on and off; every survivor raises
+``DistributedStepError`` naming the step and the collective within the timeout, and no rank has
+applied the step (the step's last collective runs over the whole mesh).
+"""
+
+import gc
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from workers import run_workers
+
+import dlion_kernels as dk
+from dlion_kernels.exchange import sharded
+from dlion_kernels.exchange.pipeline import A2A, GATHER, StepAbortedError
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # identical parameters on every rank
+        L = torch.nn.Linear
+        self.body = torch.nn.Sequential(L(8, 16), torch.nn.Tanh(), L(16, 4))
+        self.unused = L(4, 4)  # never reached by forward: its gradient stays None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _model():
+    return _Net()
+
+
+def _forward(net, rank, t, nan=False):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * t + rank))
+    if nan:
+        x[0, 0] = float("nan")  # a non-finite gradient (taken during backward with overlap)
+    return net(x).square().mean()
+
+
+def _identical(tensors) -> bool:
+    """Whether every rank holds these tensors bit for bit."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out)
+
+
+def _fresh_step(net, rank, overlap, hierarchy=None, t=7) -> bool:
+    """A new optimizer on the same group takes two steps; parameters identical everywhere."""
+    opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap, bucket_mb=1e-6,
+                             hierarchy=hierarchy)
+    for k in range(2):
+        opt.zero_grad(set_to_none=True)
+        _forward(net, rank, t + k).backward()
+        opt.step()
+    return _identical(list(net.parameters()))
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def _errors_then_fresh_start(rank, n):
+    out = {}
+    for overlap, hierarchy in ((True, None), (False, None), (True, 2)):
+        for case in ("second backward", "non-finite", "mismatch", "bad input on one rank",
+                     "bad input everywhere"):
+            if case == "second backward" and not overlap:
+                continue  # without overlap a second backward only accumulates
+            if hierarchy and case.startswith("bad input"):
+                continue  # hierarchy checks its input at the step's first bucket
+            net = _model()
+            opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap,
+                                     bucket_mb=1e-6, hierarchy=hierarchy)
+            _forward(net, rank, 0).backward()
+            opt.step()  # one good step (forms the buckets)
+            opt.zero_grad(set_to_none=True)
+            if case == "mismatch" and rank == 0:  # before backward: overlap sends it there
+                for p in net.parameters():
+                    opt.state[p]["step"] += 5
+            before = [p.detach().clone() for p in net.parameters()]
+            if case == "second backward":
+                _forward(net, rank, 1).backward()
+                seen = _outcome(lambda: _forward(net, rank, 2).backward())
+            else:
+                _forward(net, rank, 1, nan=case == "non-finite" and rank == 1).backward()
+                if case.startswith("bad input") and (rank == 2 or "everywhere" in case):
+                    net.unused.weight.grad = torch.zeros(4, 4).to_sparse()  # refused
+                seen = _outcome(opt.step)
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+            del opt  # its hooks go with it: the new optimizer is the only one on the model
+            gc.collect()
+            out[(overlap, hierarchy, case)] = dict(
+                error=seen, unchanged=unchanged, fresh=_fresh_step(net, rank, overlap, hierarchy))
+    return out
+
+
+EXPECTED = {
+    "second backward": {r: "RuntimeError" for r in range(4)},
+    "non-finite": {r: "NonFiniteGradientError" for r in range(4)},
+    "mismatch": {r: "StepMismatchError" for r in range(4)},
+    "bad input on one rank": {0: "StepAbortedError", 1: "StepAbortedError", 2: "TypeError",
+                              3: "StepAbortedError"},
+    "bad input everywhere": {r: "TypeError" for r in range(4)},
+}
+
+
+def test_errors_then_fresh_start():
+    """Flat, 4 ranks, overlap on and off, and hierarchy=2 with overlap: each error on every
+    rank alike (one decision), the step changed nothing, and a new optimizer on the same group
+    then steps with bit-identical parameters on every rank; every process exits 0."""
+    results = run_workers(4, _errors_then_fresh_start)
+    wrong = [(r, key, got) for r, res in enumerate(results) for key, got in res.items()
+             if got["error"][0] != EXPECTED[key[2]][r] or not got["unchanged"]
+             or not got["fresh"]]
+    assert not wrong, wrong
+    assert len(results[0]) == 4 + 5 + 3
+    for r, res in enumerate(results):
+        for (overlap, hierarchy, case), got in res.items():
+            where = (r, overlap, hierarchy, case, got["error"])
+            if case == "second backward":
+                assert "no_sync" in got["error"][1], where
+            assert got["unchanged"], where
+            assert got["fresh"], where
+    assert issubclass(StepAbortedError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- the fault matrix
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for sub in ("optim", "local"):  # the FSDP2 and DiLoCo tests' models and helpers
+    if os.path.join(HERE, sub) not in sys.path:
+        sys.path.insert(0, os.path.join(HERE, sub))  # spawned ranks inherit sys.path
+
+PG_TIMEOUT, MARGIN, FAULT_STEP, DEADLINE = 5.0, 20.0, 2, 300.0
+
+
+def _fsdp_fault_worker(rank, n, group, overlap, steps):
+    """DistributedLion on a 2 x 2 FSDP2 mesh (test_fsdp's model), overlap on or off; the ranks
+    line up on the default group before each step up to FAULT_STEP, from which
+    DistributedLion(timeout=PG_TIMEOUT) bounds every wait. Survivors report what they saw."""
+    from faults import attempt
+    from test_fsdp import _backward, _fsdp, _groups, _locals, _mesh, _momenta
+
+    mesh = _mesh(2, 2)
+    net = _fsdp(mesh)
+    opt = dk.DistributedLion(_groups(net), device_mesh=mesh, overlap=overlap, bucket_mb=1e-6)
+    completed = []
+    for t in range(steps):
+        if t <= FAULT_STEP:
+            dist.barrier()
+        if t == FAULT_STEP:
+            opt.timeout = PG_TIMEOUT
+        opt.zero_grad()
+        _backward(net, t, rank)
+        before = (_locals(net), _momenta(opt, net))
+        seen = attempt([("step", opt.step)])
+        if seen is not None:
+            return dict(seen, before=before, now=(_locals(net), _momenta(opt, net)),
+                        completed=completed)
+        completed.append([p.full_tensor() for p in net.parameters()])
+    return dict(error=None, completed=completed)
+
+
+FSDP_CASES = [
+    # (overlap, victim, action, point, collectives the survivors may name). Every survivor
+    # raises at FAULT_STEP: the agreement over the whole mesh is the step's last collective,
+    # and no rank completes it unless every rank reached it.
+    (False, 3, "kill", "after:" + A2A, {A2A, GATHER, sharded.HEADERS}),
+    (False, 2, "kill", "before:" + GATHER, {A2A, GATHER, sharded.HEADERS}),
+    (True, 1, "stop", "before:" + sharded.HEADERS, {sharded.HEADERS}),
+    (True, 3, "kill", "before:" + sharded.HEADERS, {sharded.HEADERS}),
+]
+
+
+@pytest.mark.parametrize("overlap,victim,action,point,names", FSDP_CASES,
+                         ids=[f"{'overlap' if c[0] else 'plain'}-{c[2]}-{c[3].split('(')[0]}"
+                              for c in FSDP_CASES])
+def test_fsdp_rank_dies_or_stalls_nothing_applied(overlap, victim, action, point, names):
+    """2 x 2 FSDP2: a rank killed or stalled at a collective of step FAULT_STEP; every survivor
+    raises DistributedStepError naming that step and a collective of it, in bounded time, with
+    its shards and momenta as they were: no rank applied the step."""
+    from faults import Fault, check_survivors, run_with_fault
+
+    fault = Fault(rank=victim, step=FAULT_STEP, point=point, action=action)
+    results = run_with_fault(4, _fsdp_fault_worker, fault, overlap, FAULT_STEP + 2,
+                             pg_timeout=PG_TIMEOUT, deadline=DEADLINE)
+    check_survivors(results, fault, 4, steps={FAULT_STEP}, names=names,
+                    limit=2 * PG_TIMEOUT + MARGIN, where={"step"})
+
+
+def _diloco_fsdp_worker(rank, n, group, outer):
+    from test_failures_diloco import fsdp_worker
+
+    return fsdp_worker(rank, n, group, outer)
+
+
+@pytest.mark.parametrize("outer", ["dlion", "nesterov"])
+def test_diloco_fsdp_stall_before_last_collective(outer):
+    """DiLoCo on a 2 x 2 FSDP2 mesh, rank 3 stalled just before the sync's last collective
+    (D-Lion's agreement, Nesterov's non-finite flag): it runs over the whole mesh, so every
+    survivor raises at that sync with theta_bar, the momenta and the parameters as before (with
+    it inside the shard group, ranks 0 and 1 used to apply the sync)."""
+    from faults import Fault, run_with_fault
+    from test_failures_diloco import FAULT_SYNC, _check_survivors
+
+    from dlion_kernels.local.diloco import FLAGS
+
+    last = sharded.HEADERS if outer == "dlion" else FLAGS
+    fault = Fault(rank=3, step=FAULT_SYNC, point=f"before:{last}", action="stop")
+    results = run_with_fault(4, _diloco_fsdp_worker, fault, outer, pg_timeout=PG_TIMEOUT,
+                             deadline=DEADLINE)
+    _check_survivors(results, 4, 3, FAULT_SYNC, 0, {last}, replicas=[(0, 2)])
