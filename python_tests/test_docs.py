@@ -189,28 +189,9 @@ SOURCE_GLOBS = ("dlion_kernels/**/*.py", "python_tests/**/*.py", "csrc/**/*.cpp"
                 "csrc/**/*.cu", "csrc/**/*.cuh", "bench/*.py", "CMakeLists.txt")
 # This file plants process words on purpose, to show that the check catches them.
 PLANTED = ("python_tests/test_docs.py",)
-# Files that other branches are changing now: they are swept after merging, and then this tuple
-# is emptied (fnmatch patterns, relative to the repository root).
-EXCLUDED_FOR_NOW = (
-    "dlion_kernels/local/diloco.py",
-    "dlion_kernels/optim/dlion.py",
-    "dlion_kernels/exchange/*.py",
-    "dlion_kernels/build.py",
-    "dlion_kernels/launch.py",
-    "python_tests/workers.py",
-    "python_tests/local/test_diloco.py",
-    "python_tests/local/test_diloco_build.py",
-    "python_tests/local/test_diloco_fsdp.py",
-    "python_tests/optim/test_contract.py",
-    "python_tests/optim/test_fsdp.py",
-    "python_tests/exchange/test_hierarchy.py",
-    "python_tests/exchange/test_hierarchy_failures.py",
-    "python_tests/exchange/test_sharded.py",
-    "python_tests/test_launch.py",
-)
 
 
-def source_files(root: Path = ROOT, excluded: tuple[str, ...] = EXCLUDED_FOR_NOW) -> list[Path]:
+def source_files(root: Path = ROOT, excluded: tuple[str, ...] = ()) -> list[Path]:
     """The files of SOURCE_GLOBS under ``root``, less PLANTED and ``excluded``."""
     files = {p for pattern in SOURCE_GLOBS for p in root.glob(pattern) if p.is_file()}
     return sorted(p for p in files
@@ -288,13 +269,11 @@ def test_no_process_words_in_sources(path):
     assert source_process_words(path) == []
 
 
-def test_sources_cover_the_code_and_the_exclusions_exist():
+def test_sources_cover_the_code():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert {"dlion_kernels/__init__.py", "python_tests/test_layers.py", "csrc/bindings.cpp",
-            "bench/bench_overlap.py", "CMakeLists.txt"} <= names
-    everything = source_files(excluded=())
-    for skip in EXCLUDED_FOR_NOW:  # a stale entry would hide nothing: drop it
-        assert any(fnmatch.fnmatch(p.relative_to(ROOT).as_posix(), skip) for p in everything), skip
+    assert {"dlion_kernels/__init__.py", "dlion_kernels/local/diloco.py",
+            "dlion_kernels/exchange/pipeline.py", "python_tests/test_layers.py",
+            "csrc/bindings.cpp", "bench/bench_overlap.py", "CMakeLists.txt"} <= names
 
 
 def test_results_index_links_every_folder():

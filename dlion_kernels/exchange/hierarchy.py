@@ -1,4 +1,4 @@
-"""Hierarchical D-Lion (SPEC §6): exact gradient mean inside a node, votes between nodes.
+"""Hierarchical D-Lion (``hierarchy=L``): exact gradient mean inside a node, votes between nodes.
 
 n ranks form N = n / L nodes of L consecutive ranks. Node k is ranks kL .. kL+L-1; rank r has
 local rank l = r mod L. Process groups (built once per (world, L) and cached; every rank creates

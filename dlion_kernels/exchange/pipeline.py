@@ -30,7 +30,7 @@ next stage is issued depends on the backend:
   a bucket starts. The all_to_alls are in bucket order on the group and the gathers in bucket
   order on the second group, whatever the timing, and the hook that starts a bucket never waits
   for another rank. A host wait inside an autograd hook would stop this rank's backward until
-  the slowest rank had reached the same bucket, at every bucket (issue 21's timelines).
+  the slowest rank had reached the same bucket, at every bucket (docs/overlap.md has the timelines).
 - CUDA (NCCL), gloo on a group without a second one, and hierarchy's buckets
   (``hierarchy.OverlapStep``, measured faster so): lag one, as a fixed sequence on one group:
   a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued

@@ -1,4 +1,4 @@
-"""D-Lion on FSDP2-sharded parameters (SPEC §10): the DTensor plumbing.
+"""D-Lion on FSDP2-sharded parameters (``device_mesh=``): the DTensor plumbing.
 
 n = N x L ranks form a device mesh with a "replicate" dimension (N replicas of the model) and a
 "shard" dimension (L ranks that FSDP2 shards each replica over, ``fully_shard(module,

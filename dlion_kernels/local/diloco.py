@@ -1,4 +1,4 @@
-"""``DiLoCo``: local steps, and every ``sync_every`` inner steps an outer step (SPEC §11), with
+"""``DiLoCo``: local steps, and every ``sync_every`` inner steps an outer step (DiLoCo), with
 D-Lion's 1-bit vote or DiLoCo's fp32 Nesterov as the outer optimizer.
 
 Rank i keeps theta_bar, the parameters at the last sync (fp32, bit-identical on every rank; at
@@ -6,11 +6,11 @@ first the initial parameters, which must be identical on every rank: checked at 
 and trains alone with its inner optimizer. At a sync (inner step t) it forms its pseudo-gradient
 d_i = theta_bar - theta_i in fp32 and:
 
-    outer="dlion"     SPEC §1 with d_i as rank i's gradient and m_i its own outer momentum:
+    outer="dlion"     the D-Lion step with d_i as rank i's gradient and m_i its own outer momentum:
                         c_i = b1 m_i + (1 - b1) d_i ;  D = aggregate(vote(c_1), .., vote(c_n))
                         m_i = b2 m_i + (1 - b2) d_i ;  theta_bar -= lr (D + wd theta_bar)
                       on the exchange's fused stages and two collectives (``exchange/``): 1 bit
-                      per parameter each way for vote/binary (SPEC §2); the tie rule's step is t.
+                      per parameter each way for vote/binary; the tie rule's step is t.
     outer="nesterov"  DiLoCo (Douillard et al., arXiv 2311.08105): d = (sum_i d_i) / n by one
                       fp32 all-reduce (a sum, then a division by n); per tensor, with torch.optim.
                       SGD(nesterov=True)'s operations: u = mu u + d ;  theta_bar -= lr (d + mu u)
@@ -41,11 +41,11 @@ step, through the exchange's public ``finish()``; Nesterov's all-reduce runs ent
 background. At most one exchange is in flight (tau < H / P), so the collectives of every rank
 are issued in the same order.
 
-FSDP2 (``device_mesh=``, SPEC §10's mesh of N replicas x L shards, the model sharded with
+FSDP2 (``device_mesh=``, a mesh of N replicas x L shards, the model sharded with
 ``fully_shard(module, mesh=mesh["shard"])``): every rank takes the steps above on its local
 shards. theta_bar, the outer momenta and d_i are of the local shard; the vote (or Nesterov's
 all-reduce) runs in the replicate group, between the N ranks holding the same shard, so the bytes
-are SPEC §2's for N voters on the local elements, between nodes. The fragments are cut by the
+are the wire's for N voters on the local elements, between nodes. The fragments are cut by the
 global sizes, so every rank syncs the same tensors at the same step. One skip/raise decision
 for the whole model: D-Lion's headers and Nesterov's non-finite flag are also gathered over
 the whole mesh (a few bytes per rank), as the sync's last collective, so that a sync applies on
@@ -61,7 +61,7 @@ step), so a resume is exact anywhere. Save the model's and the inner optimizer's
 with it, on every rank (outer momenta differ between ranks): ``dk.save_state`` works on a
 ``DiLoCo`` too.
 
-Failures (SPEC §9): a dead or stalled peer makes ``step()`` raise ``DistributedStepError``
+Failures: a dead or stalled peer makes ``step()`` raise ``DistributedStepError``
 naming the sync's inner step and the collective; theta_bar, the outer momenta and the
 parameters are as before the call (an exchange that failed is dropped). A pseudo-gradient with
 inf or NaN on any rank: ``nonfinite="raise"`` raises ``NonFiniteGradientError`` on every rank
@@ -210,7 +210,7 @@ def _dtensors(model) -> bool:
 
 
 class DiLoCo:
-    """Local steps with an outer step every ``sync_every`` inner steps (SPEC §11; the module
+    """Local steps with an outer step every ``sync_every`` inner steps (the module
     docstring gives the math, the fragments' schedule, the overlap merge, checkpoints and
     failures).
 
@@ -231,7 +231,7 @@ class DiLoCo:
     outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's); 1e-2 for D-Lion, whose sign step
         moves every element by outer_lr per sync: about 0.4 x inner lr x H was best in a sweep
         (docs/diloco.md, "Choosing outer_lr"), so scale it with your inner lr and H.
-    outer_betas, outer_weight_decay, mode, votes, backend: D-Lion's (SPEC §1, §3).
+    outer_betas, outer_weight_decay, mode, votes, backend: D-Lion's (``DistributedLion``'s meaning).
     outer_momentum: Nesterov's mu (DiLoCo's 0.9).
     fragments: P, Streaming DiLoCo's fragments. overlap_steps: tau < H / P, the inner steps an
         exchange runs in the background before it is applied. merge_alpha: the overlap merge's
@@ -359,8 +359,8 @@ class DiLoCo:
         return params
 
     def _place(self, params, device_mesh, group) -> None:
-        """The exchange group: FSDP2's replicate group (the replicas of this rank's shards, SPEC
-        §10) or ``group``; checked against the parameters' device."""
+        """The exchange group: FSDP2's replicate group (the replicas of this rank's
+        shards) or ``group``; checked against the parameters' device."""
         self._sharding = sharded.resolve(params, device_mesh, group)
         device = check_params([sharded.local(p) for p in params])
         self.group = self._sharding.replicate if self._sharding is not None else group

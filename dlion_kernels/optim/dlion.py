@@ -136,7 +136,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     ``ValueError`` at the first step); fp16 ``GradScaler`` raises as with flat overlap.
     ``hierarchy="auto"`` with ``overlap=True`` raises ``ValueError``.
 
-    ``device_mesh`` (SPEC §10, ``docs/fsdp.md``): the parameters are FSDP2's DTensors, sharded
+    ``device_mesh`` (``docs/fsdp.md``): the parameters are FSDP2's DTensors, sharded
     by ``fully_shard(module, mesh=mesh["shard"])``; the mesh's "replicate" dimension (else its
     first) holds the N replicas of each shard, the voters. Each rank runs the step on its local
     shards (``exchange/sharded.py``): local step, the exchange in its replicate group, apply to
@@ -341,7 +341,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     @property
     def sharded(self) -> bool:
-        """Whether the parameters are FSDP2 DTensors (``device_mesh``, SPEC §10)."""
+        """Whether the parameters are FSDP2 DTensors (``device_mesh``)."""
         self._runtime()
         return self._sharding is not None
 

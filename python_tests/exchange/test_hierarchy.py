@@ -1,4 +1,4 @@
-"""Hierarchical D-Lion (SPEC §6) on real gloo processes: nodes of L ranks, the nodes vote.
+"""Hierarchical D-Lion (hierarchy=L) on real gloo processes: nodes of L ranks, the nodes vote.
 
 Every configuration is checked against a one-process simulation of N = n / L voters whose
 gradients are the node means (integer-valued gradients, so every mean is exact), run with the
@@ -52,7 +52,7 @@ def _f32(x):
 
 
 def simulate(n, L, mode, votes, steps):
-    """N = n / L voters with node-mean gradients, in one process: SPEC §1 written out in fp32
+    """N = n / L voters with node-mean gradients, in one process: D-Lion written out in fp32
     (packing and tally by the reference stages)."""
     N, ternary = n // L, votes == "ternary"
     params = [[p.clone() for p in ps] for ps in _init_params()]
@@ -249,7 +249,7 @@ def _check(n, L, variants):
     for mode, votes in variants:
         expect, momenta = simulate(n, L, mode, votes, STEPS)
         p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, N)
-        # SPEC §2 bytes for N voters, per rank, divided by L; padding: the sub-shard rounding
+        # the wire's bytes for N voters, per rank, divided by L; padding: the sub-shard rounding
         # (at most one block per tensor and one per rank), the one-word flag and the two-word
         # [flag, step] header of the all_to_all chunks, and the step's commit.
         formula = (p_in + p_out) * (N - 1) / N * d / 8

@@ -1,4 +1,4 @@
-"""SPEC §9 for hierarchical D-Lion (DistributedLion(hierarchy=2) on n = 4: nodes {0, 1} and
+"""Failure handling for hierarchical D-Lion (DistributedLion(hierarchy=2) on n = 4: nodes {0, 1} and
 {2, 3}): a rank killed or stalled in the node reduce-scatter, the inter-node exchange or the
 intra-node gather makes every other rank raise DistributedStepError naming the step and the
 collective, within the timeout plus a margin; the failed step leaves every survivor's parameters

@@ -1,7 +1,7 @@
-"""dk.DiLoCo (SPEC §11) on real gloo processes (n = 2, 3, 4; n = 1 in this process): between
+"""dk.DiLoCo on real gloo processes (n = 2, 3, 4; n = 1 in this process): between
 syncs nothing is sent and nothing changes; at each sync every rank holds the same theta_bar, equal
 to the outer step computed here from the ranks' pseudo-gradients (the pure-torch reference for
-D-Lion, exact; Nesterov in fp32, to rounding), with the bytes of SPEC §2; fragments sync on their
+D-Lion, exact; Nesterov in fp32, to rounding), with the wire format's bytes; fragments sync on their
 schedule and partition the parameters; overlap_steps follows the documented merge; non-finite
 pseudo-gradients; bad input."""
 
@@ -108,7 +108,7 @@ def _run(rank, n, steps, inner_kind="adamw", **kwargs):
 
 
 def dlion_reference(thetas, ds, moms, n, mode, votes, step, lr=LR, wd=WD, betas=BETAS):
-    """The outer D-Lion step of SPEC §1 on all n ranks' pseudo-gradients ``ds`` and momenta
+    """The outer D-Lion step on all n ranks' pseudo-gradients ``ds`` and momenta
     ``moms`` (lists per rank of per-tensor lists), with the pure-torch reference stages:
     (theta_bar after, [momenta after per rank])."""
     ternary = votes == "ternary"
@@ -136,7 +136,7 @@ def nesterov_reference(thetas, ds, u, n, lr=LR, mu=MU):
 
 
 def spec_bound(n, mode, votes, d, tensors):
-    """SPEC §2's bytes per rank plus the padding: a word per tensor and per rank in each plane,
+    """The wire's bytes per rank plus the padding: a word per tensor and per rank in each plane,
     and the two-word header to each peer."""
     p_in, p_out = vote_planes(votes), aggregate_planes(mode, votes, n)
     return ((n - 1) / n * (p_in + p_out) * d / 8 + 4 * (p_in + p_out) * (tensors + n)

@@ -1,4 +1,4 @@
-"""One decision for dk.DiLoCo (SPEC §9's "one decision", §11), on real gloo processes: a mistake
+"""One decision for dk.DiLoCo (the same verdict on every rank), on real gloo processes: a mistake
 on one rank only (an argument the others do not share, one only that rank gets wrong, other
 starting weights, a loaded state of another inner step or another theta_bar) makes every rank
 raise the same error within the bound given (``timeout=``), with nothing built or loaded

@@ -1,11 +1,11 @@
-"""dk.DiLoCo over an FSDP2-sharded model (SPEC §11 composed with §10) on real gloo processes:
+"""dk.DiLoCo over an FSDP2-sharded model (local steps composed with FSDP2) on real gloo processes:
 2 replicas x 2 shards (4 processes) and the 1-D mesh (2 processes, N = 1). Pseudo-gradients are
 taken on the local shards and voted (or all-reduced) between the replicas of each shard.
 
 Between syncs nothing is sent and nothing changes; at each sync the replicas of every shard are
 bit-identical and equal the outer step computed here from their pseudo-gradients (test_diloco's
-references, on the local shards); bytes between replicas within SPEC §2 for N voters on the local
-elements, plus the few bytes of the agreement inside the shard group; fragments and
+references, on the local shards); bytes between replicas within the wire's bound for N voters
+on the local elements, plus the few bytes of the agreement inside the shard group; fragments and
 overlap_steps on their schedule and merge rule; a non-finite pseudo-gradient on one shard is
 skipped or raised on every rank of the mesh; exact resume inside an overlap window; bad input.
 """

@@ -1,4 +1,4 @@
-"""One decision at construction and at load_state_dict (SPEC §9's "one decision"), on real gloo
+"""One decision at construction and at load_state_dict (one verdict on every rank), on real gloo
 processes: a mistake on one rank only (an argument another rank does not share, an argument
 only that rank gets wrong, other starting weights, a loaded state of another step) makes every
 rank raise the same error within the bound given (``timeout=``), and nothing is built or

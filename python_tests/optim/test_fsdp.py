@@ -1,9 +1,9 @@
-"""DistributedLion over FSDP2-sharded parameters (SPEC §10) on real gloo processes.
+"""DistributedLion over FSDP2-sharded parameters on real gloo processes.
 
 The model (``Net``) has the parameters of ``SHAPES`` in two FSDP2 blocks (two param groups with
 their own hyper-parameters) and the loss sum_i (W_i * x_i).sum(), so the gradient of W_i is the
 data x_i: integer-valued, which makes FSDP's mean over the L ranks of a replica exact, and equal
-to hierarchical D-Lion's node mean (SPEC §6). The shapes have odd sizes, so FSDP's shards are
+to hierarchical D-Lion's node mean (hierarchy=L). The shapes have odd sizes, so FSDP's shards are
 uneven or empty ((33, 6): 17 and 16 rows with L = 2; (1,): one element and none); every local
 shard starts at an even element index of its tensor, so even the binary tie rule (the parity of
 an element's position, kernels/layout.py) breaks alike here and under hierarchy: the parameters
@@ -228,8 +228,8 @@ def _check_vs_hierarchy(n, L, variants, bucket_mb, buckets):
             # (the 2-word header and the votes of one sub-shard) and the gather of the tally
             S = shard_blocks(T, N)
             exact = (N - 1) * 4 * (2 + S * (p_in + p_out))
-            # SPEC §2 for N voters on the d local elements, plus padding: one block per tensor
-            # and per rank, and the header words
+            # the wire's bound for N voters on the d local elements, plus padding: one block per
+            # tensor and per rank, and the header words
             spec = (p_in + p_out) * (N - 1) / N * d / 8
             padding = (N - 1) * 4 * ((p_in + p_out) * (len(numels) / N + 1) + 2)
             intra = (N * L - 1) * 2 * 4  # this rank's [flag, step] to the n - 1 others
@@ -896,7 +896,7 @@ CASES = [
 @pytest.mark.parametrize("victim,action,point,steps,names", CASES,
                          ids=["kill-exchange", "stop-header-gather"])
 def test_dead_or_stalled_rank(victim, action, point, steps, names):
-    """SPEC §9 on a 2 x 2 mesh: every survivor raises DistributedStepError naming the step and
+    """Failures on a 2 x 2 mesh: every survivor raises DistributedStepError naming the step and
     the collective within the timeout (plus a margin), with its shards and momenta as before."""
     from faults import Fault, check_survivors, run_with_fault
 
