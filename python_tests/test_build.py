@@ -159,7 +159,8 @@ _FSDP_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scat
 class RingBytes:
     """Bytes this rank hands to the collectives, by the ring formulas (all-gather: (p-1)
     inputs, reduce-scatter and all_to_all: (p-1)/p of the input, all-reduce: 2 (p-1)/p), split
-    into ``inter`` (the replicate group: between nodes) and ``intra`` (any other group)."""
+    into ``inter`` (a group of the replicate group's ranks: between nodes) and ``intra`` (any
+    other group)."""
 
     def __init__(self, replicate):
         self.replicate, self.inter, self.intra, self.saved = replicate, 0, 0, {}
@@ -182,7 +183,9 @@ class RingBytes:
                 sent = round(2 * (p - 1) / p * nbytes)
             else:
                 sent = nbytes * (p - 1) // p
-            if group is self.replicate:
+            # the replicate group, or the overlap's second group on the same ranks
+            if group is not None and dist.get_process_group_ranks(group) == \
+                    dist.get_process_group_ranks(self.replicate):
                 self.inter += sent
             else:
                 self.intra += sent

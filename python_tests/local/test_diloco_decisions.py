@@ -169,8 +169,10 @@ EXPECTED = {  # case: (error type, what every message names)
     "fsdp weights": ("ValueError", ["the model's parameters on ranks [2] differ from rank 0's"]),
     "fsdp group=": ("ValueError", ["ranks [1] sync_every=4; rank 0 sync_every=2"]),
     "fsdp load step": ("StepMismatchError", ["ranks [3] (inner_step, in-flight"]),
-    # rows: shard position, columns: replica; rank 3 is replica 1 of shard 1
-    "fsdp nesterov resume": ("StepMismatchError", ["different inner steps: [[4, 4], [4, 6]]"]),
+    # rows: the mesh's ranks, each with its replicate group's steps; rank 3 is replica 1 of
+    # shard 1, so the rows of ranks 1 and 3 (shard 1's group) hold its 6
+    "fsdp nesterov resume": ("StepMismatchError",
+                             ["different inner steps: [[4, 4], [4, 6], [4, 4], [4, 6]]"]),
 }
 
 

@@ -63,6 +63,7 @@ def test_hierarchy_auto_follows_the_model(tmp_path, inputs, expect):
 def _live(rank, n):
     os.environ.pop("DLION_PLAN", None)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
+    torch.manual_seed(0)  # the replicas start identical (the optimizer checks it)
     model = torch.nn.Linear(64, 64)
     opt = dk.DistributedLion(model.parameters(), lr=1e-2, hierarchy="auto")
     model(torch.randn(4, 64)).sum().backward()
