@@ -155,33 +155,6 @@ for sub in ("optim", "local"):  # the FSDP2 and DiLoCo tests' models and helpers
 PG_TIMEOUT, MARGIN, FAULT_STEP, DEADLINE = 5.0, 20.0, 2, 300.0
 
 
-def _fsdp_fault_worker(rank, n, group, overlap, steps):
-    """DistributedLion on a 2 x 2 FSDP2 mesh (test_fsdp's model), overlap on or off; the ranks
-    line up on the default group before each step up to FAULT_STEP, from which
-    DistributedLion(timeout=PG_TIMEOUT) bounds every wait. Survivors report what they saw."""
-    from faults import attempt
-    from test_fsdp import _backward, _fsdp, _groups, _locals, _mesh, _momenta
-
-    mesh = _mesh(2, 2)
-    net = _fsdp(mesh)
-    opt = dk.DistributedLion(_groups(net), device_mesh=mesh, overlap=overlap, bucket_mb=1e-6)
-    completed = []
-    for t in range(steps):
-        if t <= FAULT_STEP:
-            dist.barrier()
-        if t == FAULT_STEP:
-            opt.timeout = PG_TIMEOUT
-        opt.zero_grad()
-        _backward(net, t, rank)
-        before = (_locals(net), _momenta(opt, net))
-        seen = attempt([("step", opt.step)])
-        if seen is not None:
-            return dict(seen, before=before, now=(_locals(net), _momenta(opt, net)),
-                        completed=completed)
-        completed.append([p.full_tensor() for p in net.parameters()])
-    return dict(error=None, completed=completed)
-
-
 FSDP_CASES = [
     # (overlap, victim, action, point, collectives the survivors may name). Every survivor
     # raises at FAULT_STEP: the agreement over the whole mesh is the step's last collective,
@@ -201,9 +174,10 @@ def test_fsdp_rank_dies_or_stalls_nothing_applied(overlap, victim, action, point
     raises DistributedStepError naming that step and a collective of it, in bounded time, with
     its shards and momenta as they were: no rank applied the step."""
     from faults import Fault, check_survivors, run_with_fault
+    from test_fsdp import _fault_worker  # the FSDP2 fault worker, with overlap on or off
 
     fault = Fault(rank=victim, step=FAULT_STEP, point=point, action=action)
-    results = run_with_fault(4, _fsdp_fault_worker, fault, overlap, FAULT_STEP + 2,
+    results = run_with_fault(4, _fault_worker, fault, FAULT_STEP + 2, overlap,
                              pg_timeout=PG_TIMEOUT, deadline=DEADLINE)
     check_survivors(results, fault, 4, steps={FAULT_STEP}, names=names,
                     limit=2 * PG_TIMEOUT + MARGIN, where={"step"})

@@ -855,14 +855,15 @@ def test_bad_input():
 FAULT_STEP, PG_TIMEOUT, MARGIN = 2, 5.0, 20.0
 
 
-def _fault_worker(rank, n, group, steps):
-    """2 x 2; DistributedLion(timeout=PG_TIMEOUT) from FAULT_STEP on (the ranks line up on the
-    default group before each step up to it). Survivors report what they saw (faults.py)."""
+def _fault_worker(rank, n, group, steps, overlap=False):
+    """2 x 2, overlap on or off; DistributedLion(timeout=PG_TIMEOUT) from FAULT_STEP on (the ranks
+    line up on the default group before each step up to it). Survivors report what they saw
+    (faults.py)."""
     from faults import attempt
 
     mesh = _mesh(2, 2)
     net = _fsdp(mesh)
-    opt = dk.DistributedLion(_groups(net), device_mesh=mesh)
+    opt = dk.DistributedLion(_groups(net), device_mesh=mesh, overlap=overlap, bucket_mb=1e-6)
     completed = []
     for t in range(steps):
         if t <= FAULT_STEP:
