@@ -1,8 +1,7 @@
 """Run a function on n real processes joined by a gloo process group, and collect results."""
 
+import rankserver
 import torch.distributed as dist
-
-from dlion_kernels.launch import spawn
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
                 "all_gather", "broadcast", "reduce_scatter_tensor",
@@ -10,9 +9,10 @@ _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_singl
 
 
 def run_workers(n: int, fn, *args, timeout: float = 300.0) -> list:
-    """fn(rank, n, *args) on n spawned gloo processes, one thread each; returns the list of
-    per-rank results (``dlion_kernels.launch.spawn``, with a bound for tests)."""
-    return spawn(n, fn, *args, timeout=timeout)
+    """fn(rank, n, *args) on n fresh gloo processes, one thread each; returns the list of
+    per-rank results. As ``dlion_kernels.launch.spawn`` (with a bound for tests), but the ranks
+    are forked from a server that imported torch once per pytest process (``rankserver``)."""
+    return rankserver.run(n, fn, *args, timeout=timeout)
 
 
 class CountingCollectives:

@@ -1,0 +1,306 @@
+"""Gloo ranks forked from one long-lived process that imported torch once.
+
+``import torch`` (and torch.distributed's FSDP/DTensor/checkpoint packages, triton, the library)
+costs seconds of CPU per process on this machine, and the suite starts hundreds of short gloo
+runs. A plain spawn pays it in every rank. Here each pytest process keeps one server process
+(spawned, so it starts from a clean interpreter) that imports those modules once and then, for
+each run, forks its n ranks. A forked rank starts in the state the imports left, never in a state
+an earlier run left: every run still gets fresh processes (module caches keyed on process groups,
+the random generators, monkeypatched functions cannot leak from one run to the next), like spawn.
+
+Each rank takes the caller's environment, ``sys.path`` and working directory of the moment. The
+server never runs torch code itself, so no thread pool exists in it when it forks. When the
+caller's environment differs from the one the server started with (modules may read it at
+import), a new server is started first. Rank output is written to files and replayed on the
+caller's stdout/stderr after the run, so that pytest shows it with the test that ran it.
+
+The caller sees ``dlion_kernels.launch.spawn``'s behaviour: results in rank order; when a rank
+fails the others are killed at once; after ``timeout`` every rank still running is killed; a
+RuntimeError names each rank and holds the failed ones' tracebacks. If the server itself dies or
+stops answering, it is discarded (its ranks die with it) and the next run starts a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+# Imported once by the server, before any fork. Nothing here may start a thread that the ranks
+# would need after the fork (numpy's BLAS pool handles fork itself).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "torch.nn.parallel", "numpy", "pytest", "hypothesis",
+           "triton", "dlion_kernels")
+
+# Environment variables that change from test to test without meaning anything to the ranks.
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
+_GRACE = 30.0  # seconds for killed ranks to be reported before the server is given up
+
+
+def _environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+
+
+# ----------------------------------------------------------------------------- server side
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that forked it ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank(rank, n, job, payload):
+    """One rank, in a process just forked from the server; never returns."""
+    code = 1
+    try:
+        out = os.open(os.path.join(job["out_dir"], f"rank{rank}.stdout"),
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        err = os.open(os.path.join(job["out_dir"], f"rank{rank}.stderr"),
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.path[:] = job["sys_path"]
+        os.chdir(job["cwd"])
+        import torch
+        import torch.distributed as dist
+
+        try:
+            fn, args = pickle.loads(payload)
+            dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
+                                    world_size=n)
+            torch.set_num_threads(job["threads"])
+            result = fn(rank, n, *args)
+            dist.barrier()  # no rank tears down while another still talks to it
+            dist.destroy_process_group()
+            torch.save(result, os.path.join(job["out_dir"], f"rank{rank}.pt"))
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported to the caller, whatever it is
+            with open(os.path.join(job["out_dir"], f"rank{rank}.err"), "w") as f:
+                f.write(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        # No interpreter teardown: gloo's threads may abort it, and the server's objects are not
+        # this process's to finalize.
+        os._exit(code)
+
+
+def _serve(conn, preload):
+    """The server's loop: import ``preload``, then fork the ranks of each run and report their
+    exits; ("kill",) kills the ranks still running. Ends when the caller goes away."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+    for name in preload:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the ranks do not copy pages just because the collector touched them
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            _, n, job, payload = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        live = {}  # pidfd -> (rank, pid)
+        for rank in range(n):
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                for fd in live:
+                    os.close(fd)
+                _die_with_parent()
+                if os.getppid() == 1:  # the server died before prctl took effect
+                    os._exit(1)
+                _rank(rank, n, job, payload)
+            live[os.pidfd_open(pid)] = (rank, pid)
+        conn.send(("started", [pid for _, pid in sorted(live.values())]))
+        while live:
+            ready = wait([conn, *live])
+            for fd in ready:
+                if fd is conn:
+                    try:
+                        conn.recv()  # ("kill",)
+                    except (EOFError, OSError):
+                        for pidfd in live:
+                            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        os._exit(0)
+                    for pidfd in live:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    continue
+                rank, pid = live.pop(fd)
+                _, status = os.waitpid(pid, 0)
+                os.close(fd)
+                conn.send(("exit", rank, os.waitstatus_to_exitcode(status)))
+        conn.send(("done",))
+
+
+# ----------------------------------------------------------------------------- caller side
+
+
+class _Server:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.env = _environment()
+        self.proc = ctx.Process(target=_serve, args=(theirs, PRELOAD), daemon=True,
+                                name="rank server")
+        self.proc.start()
+        theirs.close()
+        self.ready = False
+
+    def recv(self, timeout):
+        """The server's next message, or None if it died or said nothing for ``timeout`` s."""
+        ready = wait([self.conn, self.proc.sentinel], timeout)
+        if self.conn in ready:
+            try:
+                return self.conn.recv()
+            except (EOFError, OSError):
+                pass
+        if self.proc.sentinel in ready:
+            # its sentinel fires when its files close, a moment before it can be reaped
+            self.proc.join(_GRACE)
+        return None
+
+    def close(self):
+        if self.proc.is_alive():
+            self.proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
+        self.proc.join()
+        self.conn.close()
+
+
+_server: _Server | None = None
+
+
+def _get_server() -> _Server:
+    global _server
+    if _server is not None and (not _server.proc.is_alive() or _server.env != _environment()):
+        _discard()
+    if _server is None:
+        _server = _Server()
+    return _server
+
+
+def _discard():
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+atexit.register(_discard)
+
+
+def _replay(out_dir, n):
+    for rank in range(n):
+        for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            path = os.path.join(out_dir, f"rank{rank}.{name}")
+            if os.path.exists(path) and os.path.getsize(path):
+                with open(path, errors="replace") as f:
+                    stream.write(f.read())
+                stream.flush()
+
+
+def run(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> list:
+    """``fn(rank, n, *args)`` on n ranks forked from the server, joined by a gloo process group
+    (a file store in a fresh temporary directory); returns the n results in rank order."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    payload = pickle.dumps((fn, args))  # by value (tensors copied), loaded only by the ranks
+    server = _get_server()
+    end = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(env=dict(os.environ), sys_path=list(sys.path), cwd=os.getcwd(),
+                   store=os.path.join(tmp, "store"), out_dir=tmp, threads=threads)
+        codes: dict = {}
+        killed: set = set()  # ranks still running when they were told to die
+        why = None  # why they were
+        broken = None  # why the server was given up
+        told = False  # whether the server was told to kill the ranks still running
+        try:
+            if not server.ready:  # the first run waits for its imports
+                msg = server.recv(None if end is None else max(end - time.monotonic(), 0) + 600)
+                if msg is None or msg[0] != "ready":
+                    raise RuntimeError(f"the rank server did not start: {msg!r}")
+                server.ready = True
+            msg = None
+            for _ in range(2):  # a server that died between two runs is replaced once
+                try:
+                    server.conn.send(("run", n, job, payload))
+                    msg = server.recv(_GRACE)
+                except OSError:
+                    msg = None
+                if msg is not None or server.proc.is_alive():
+                    break
+                server = _get_server()
+                msg = server.recv(600.0)  # its imports
+                server.ready = msg is not None and msg[0] == "ready"
+                if not server.ready:
+                    break
+            if msg is None or msg[0] != "started":
+                broken = f"the rank server did not start the ranks ({msg!r})"
+                killed = set(range(n))
+                why = broken
+            while broken is None and len(codes) < n:
+                if why is None and end is not None and time.monotonic() >= end:
+                    why = f"timed out after {timeout:g} s"
+                if why is not None and not told:
+                    killed = set(range(n)) - set(codes)
+                    server.conn.send(("kill",))
+                    told = True
+                msg = server.recv(_GRACE if told else
+                                  None if end is None else max(end - time.monotonic(), 0))
+                if msg is None:
+                    if not server.proc.is_alive():
+                        broken = "the rank server died"
+                        if not told:
+                            killed, why = set(range(n)) - set(codes), broken
+                    elif told:
+                        broken = "the rank server did not report its killed ranks"
+                    continue  # else the deadline: killed on the next turn
+                _, rank, code = msg
+                codes[rank] = code
+                if code != 0 and why is None:
+                    why = f"killed: rank {rank} failed"
+            if broken is None:
+                msg = server.recv(_GRACE)
+                if msg != ("done",):
+                    broken = f"the rank server did not finish the run ({msg!r})"
+        except BaseException:
+            _discard()  # interrupted mid-run: the ranks die with the server
+            raise
+        if broken is not None:
+            _discard()
+        _replay(tmp, n)
+        errors = []
+        for r in range(n):
+            err = os.path.join(tmp, f"rank{r}.err")
+            if os.path.exists(err):
+                with open(err) as f:
+                    errors.append(f"rank {r}:\n{f.read()}")
+            elif r in killed:
+                errors.append(f"rank {r}: {why or 'killed'}")
+            elif codes.get(r) != 0:
+                errors.append(f"rank {r}: exit code {codes.get(r)}")
+        if errors:
+            raise RuntimeError(f"{n} gloo ranks of {getattr(fn, '__name__', fn)} failed\n"
+                               + "\n".join(errors))
+        import torch
+
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(n)]
