@@ -1,7 +1,8 @@
-"""The one way this repository starts local gloo ranks: ``spawn(n, fn, *args)`` runs
-``fn(rank, n, *args)`` on n spawned processes of this machine joined by a gloo process group (a
-file store: no port to pick), and returns their results. The tests (``python_tests/workers.py``),
-the benchmarks (``bench/common.run_ranks``) and the demo use it.
+"""Local gloo ranks: ``spawn(n, fn, *args)`` runs ``fn(rank, n, *args)`` on n spawned processes
+of this machine joined by a gloo process group (a file store: no port to pick), and returns their
+results. The benchmarks (``bench/common.run_ranks``) and the demo use it; the tests' harness
+(``python_tests/workers.py``) keeps its behaviour but forks the ranks from a process that imported
+torch once, since the suite starts hundreds of short runs.
 """
 
 from __future__ import annotations

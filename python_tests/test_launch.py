@@ -1,6 +1,6 @@
-"""dlion_kernels.launch.spawn, the one launcher of local gloo ranks (the tests' run_workers,
-bench/'s run_ranks, the demo's launch): results in rank order, and a failed or hung rank is named
-while every other rank is killed, never waited for."""
+"""dlion_kernels.launch.spawn, the launcher of local gloo ranks (bench/'s run_ranks, the demo's
+launch; the tests' run_workers behaves the same, see test_rankserver.py): results in rank order,
+and a failed or hung rank is named while every other rank is killed, never waited for."""
 
 import time
 
