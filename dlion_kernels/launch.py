@@ -19,6 +19,14 @@ import torch
 import torch.distributed as dist
 
 
+_SLICE = 1.0  # seconds between two looks at the ranks' exit codes
+_GRACE = 60.0  # seconds for killed ranks to be reaped
+
+
+def _err(tmp, rank):
+    return os.path.join(tmp, f"rank{rank}.err")
+
+
 def _spawned(fn, rank, n, store, out_dir, threads, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
@@ -67,20 +75,28 @@ def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> 
                 if left is not None and left <= 0:
                     why = f"timed out after {timeout:g} s"
                     break
-                wait([p.sentinel for p in running], left)
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                # In slices: a sentinel can stay open after its rank ended when a process the
+                # rank started still holds the pipe, so the exit codes are what is watched.
+                wait([p.sentinel for p in running], _SLICE if left is None else min(left, _SLICE))
+                failed = [r for r, p in enumerate(procs)
+                          if p.exitcode not in (None, 0) or os.path.exists(_err(tmp, r))]
                 if failed:
                     why = f"killed: rank {failed[0]} failed"
         finally:
-            killed = [r for r, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
+            started = [p for p in procs if p.pid is not None]
+            killed = [r for r, p in enumerate(started)
+                      if p.exitcode is None and not os.path.exists(_err(tmp, r))]
+            for p in started:
+                if p.exitcode is None:
                     p.kill()
-            for p in procs:
-                p.join()
+            # not join(): it waits on the sentinel, see above; a killed rank ends at once
+            reaped_by = time.monotonic() + _GRACE
+            for p in started:
+                while p.exitcode is None and time.monotonic() < reaped_by:
+                    time.sleep(0.01)
         errors = []
         for r, p in enumerate(procs):
-            err = os.path.join(tmp, f"rank{r}.err")
+            err = _err(tmp, r)
             if os.path.exists(err):
                 with open(err) as f:
                     errors.append(f"rank {r}:\n{f.read()}")

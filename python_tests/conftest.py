@@ -39,3 +39,22 @@ def assert_close_storage(actual: torch.Tensor, expected: torch.Tensor) -> None:
     a, e = actual.detach().cpu().float(), expected.detach().cpu().float()
     torch.testing.assert_close(a, e, rtol=RTOL[actual.dtype], atol=0.0 if actual.dtype ==
                                torch.float32 else 1e-7, equal_nan=True)
+
+
+# The ten test files that took longest (setup, call and teardown of their tests added up), after
+# the run: where the suite's time goes, so that a slow file is seen when it lands.
+_FILE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest test files")
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
