@@ -18,7 +18,6 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-
 _SLICE = 1.0  # seconds between two looks at the ranks' exit codes
 _GRACE = 60.0  # seconds for killed ranks to be reaped
 

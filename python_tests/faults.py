@@ -4,8 +4,9 @@ other ranks saw.
     fault = Fault(rank=1, step=2, point="after:all_to_all_single(votes)", action="kill")
     results = run_with_fault(n, worker, fault, pg_timeout=3.0)
 
-``worker(rank, n, group, *args)`` runs in each of n spawned processes and returns a picklable
-result (survivors usually catch the error and return what they saw). ``group`` is a gloo group of
+``worker(rank, n, group, *args)`` runs in each of n fresh processes (forked from the tests' rank
+server) and returns a picklable result (survivors usually catch the error and return what they
+saw). ``group`` is a gloo group of
 all ranks whose own timeout is ``pg_timeout``; it is made after a warm-up (imports, backend
 loading, a barrier on the default group, whose timeout is long), so that a slow start on a loaded
 machine is not mistaken for a stall. Workers may also warm up on the default group and switch to
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+import rankserver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,7 @@ def _arm(fault: Fault) -> None:
     backends.get = lambda name: _Kernels(real_get(name))
 
 
-def _entry(worker, rank, n, store, out_dir, pg_timeout, fault, args):
+def _entry(rank, n, worker, store, out_dir, pg_timeout, fault, args):
     import torch
     import torch.distributed as dist
 
@@ -131,32 +133,22 @@ def run_with_fault(n: int, worker, fault: Fault | None, *args, pg_timeout: float
     """Run ``worker`` on n ranks with ``fault`` injected; return each rank's result (None for a
     rank that left none, e.g. the victim). Raises RuntimeError if a survivor raised outside the
     worker or left no result before ``deadline``."""
-    ctx = mp.get_context("spawn")
+    survivors = [r for r in range(n) if fault is None or r != fault.rank]
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(worker, r, n, store, tmp, pg_timeout, fault,
-                                                  args), daemon=True) for r in range(n)]
-        try:
-            for p in procs:
-                p.start()
-            survivors = [r for r in range(n) if fault is None or r != fault.rank]
-            end = time.monotonic() + deadline
-            paths = {r: os.path.join(tmp, f"rank{r}.pkl") for r in range(n)}
-            while time.monotonic() < end and not all(os.path.exists(paths[r]) for r in survivors):
-                time.sleep(0.05)
-            results = []
-            for r in range(n):
-                if os.path.exists(paths[r]):
-                    with open(paths[r], "rb") as f:
-                        results.append(pickle.load(f))
-                else:
-                    results.append(None)
-        finally:
-            for p in procs:  # stopped processes die on SIGKILL too
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(10)
+        paths = {r: os.path.join(tmp, f"rank{r}.pkl") for r in range(n)}
+        # forked from the tests' rank server (torch imported once); the victim's death or stall
+        # does not end the others, and every rank still running at the end is killed
+        rankserver.run_bare(n, _entry, worker, store, tmp, pg_timeout, fault, args,
+                            done=lambda: all(os.path.exists(paths[r]) for r in survivors),
+                            deadline=deadline)
+        results = []
+        for r in range(n):
+            if os.path.exists(paths[r]):
+                with open(paths[r], "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(None)
     problems = []
     for r in survivors:
         if results[r] is None:

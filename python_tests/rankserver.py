@@ -83,13 +83,16 @@ def _rank(rank, n, job, payload):
 
         try:
             fn, args = pickle.loads(payload)
-            dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
-                                    world_size=n)
-            torch.set_num_threads(job["threads"])
-            result = fn(rank, n, *args)
-            dist.barrier()  # no rank tears down while another still talks to it
-            dist.destroy_process_group()
-            torch.save(result, os.path.join(job["out_dir"], f"rank{rank}.pt"))
+            if job.get("bare"):  # fn makes its own process group and leaves its own results
+                fn(rank, n, *args)
+            else:
+                dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
+                                        world_size=n)
+                torch.set_num_threads(job["threads"])
+                result = fn(rank, n, *args)
+                dist.barrier()  # no rank tears down while another still talks to it
+                dist.destroy_process_group()
+                torch.save(result, os.path.join(job["out_dir"], f"rank{rank}.pt"))
             code = 0
         except BaseException:  # noqa: BLE001 - reported to the caller, whatever it is
             with open(os.path.join(job["out_dir"], f"rank{rank}.err"), "w") as f:
@@ -304,3 +307,55 @@ def run(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> li
 
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(n)]
+
+
+def run_bare(n: int, fn, *args, done, deadline: float) -> dict:
+    """``fn(rank, n, *args)`` on n ranks forked from the server, with nothing around it: fn makes
+    its own process group and leaves its results where the caller looks (the fault tests, whose
+    ranks die or stall on purpose). A rank that fails does not end the others. Returns when
+    ``done()`` is true, when every rank has ended, or after ``deadline`` seconds, killing the
+    ranks still running; the result is {rank: exit code, or None for a rank that was killed}."""
+    payload = pickle.dumps((fn, args))
+    server = _get_server()
+    end = time.monotonic() + deadline
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(env=dict(os.environ), sys_path=list(sys.path), cwd=os.getcwd(), store=None,
+                   out_dir=tmp, threads=1, bare=True)
+        codes: dict = {}
+        try:
+            if not server.ready:
+                msg = server.recv(600.0)
+                if msg is None or msg[0] != "ready":
+                    raise RuntimeError(f"the rank server did not start: {msg!r}")
+                server.ready = True
+            server.conn.send(("run", n, job, payload))
+            msg = server.recv(_GRACE)
+            if msg is None or msg[0] != "started":
+                raise RuntimeError(f"the rank server did not start the ranks ({msg!r})")
+            while len(codes) < n and not done() and time.monotonic() < end:
+                msg = server.recv(0.05)
+                if msg is None:
+                    if not server.proc.is_alive():
+                        raise RuntimeError("the rank server died")
+                    continue
+                codes[msg[1]] = msg[2]
+            if len(codes) < n:
+                server.conn.send(("kill",))
+                for rank in set(range(n)) - set(codes):
+                    codes[rank] = None
+                while True:
+                    msg = server.recv(_GRACE)
+                    if msg is None:
+                        raise RuntimeError("the rank server did not report its killed ranks")
+                    if msg[0] == "done":
+                        break
+            else:
+                msg = server.recv(_GRACE)
+                if msg != ("done",):
+                    raise RuntimeError(f"the rank server did not finish the run ({msg!r})")
+        except BaseException:
+            _discard()  # its ranks die with it
+            raise
+        finally:
+            _replay(tmp, n)
+    return codes
