@@ -269,7 +269,7 @@ class DecentralizedDataParallel(torch.nn.Module):
                 applied=f"bucket {index} of this rank finished this iteration, later buckets "
                 "did not"))
             k = len(ranks)
-            self.bytes_sent += int(2 * (k - 1) / k * send.numel() * send.element_size())
+            self.bytes_sent += int(gossip_bytes_per_step(send.numel(), send.element_size(), k))
 
     def _wait(self, st: _BucketState, where: str = "this iteration") -> None:
         k = st.bucket.index
