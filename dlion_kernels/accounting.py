@@ -1,4 +1,5 @@
-"""Bytes a rank sends in the collectives D-Lion does not run itself, without torch.
+"""Bytes a rank sends in the collectives D-Lion does not run itself, and the bytes of memory
+D-Lion's fused stages move, without torch.
 
 D-Lion's own exchange counts what it sends (``StepStats``). The gradient all-reduce it replaces,
 gossip averaging and FSDP2's collectives are run by torch.distributed, which counts nothing, so
@@ -14,11 +15,25 @@ algorithms gloo runs (and NCCL's ring). Bytes are per rank, sent.
   shard to each of the L - 1 peers each time, and reduce-scatters the unit's L s gradient
   elements, sending (L - 1) s of them; with HSDP the N replicas also all-reduce the shard of
   gradients across nodes.
+- D-Lion's fused stages (kernel stages v2), bytes of memory traffic per fp32 element: the local
+  step reads g and m and writes one vote bit (8.125); the tally reads one vote plane and writes
+  one aggregate plane (0.25, one voter); apply reads x, g, m and the aggregate bit and writes x
+  and m (20.125); a whole step 28.5. Apply on x only (no momentum: ``exp_avgs=None``) reads and
+  writes x and reads the aggregate bit (8.125). ``bench/bench_kernels.py`` times each stage
+  against these counts; the runtime model charges the optimizer by them.
 """
 
 from __future__ import annotations
 
 import math
+
+# D-Lion's fused stages, bytes of memory traffic per fp32 element (kernel stages v2)
+_F32, _BIT = 4, 1 / 8
+LOCAL_STEP_BYTES = _F32 + _F32 + _BIT  # g, m read; the vote bit written
+TALLY_BYTES = _BIT + _BIT  # one voter: its vote plane read, the aggregate plane written
+APPLY_BYTES = 2 * _F32 + _F32 + 2 * _F32 + _BIT  # x, m read and written; g, aggregate read
+STEP_BYTES = LOCAL_STEP_BYTES + TALLY_BYTES + APPLY_BYTES  # 28.5: one whole D-Lion step
+X_ONLY_APPLY_BYTES = 2 * _F32 + _BIT  # apply without momentum: x read and written, aggregate
 
 
 def ring_all_reduce_bytes(ranks: int, nbytes: float) -> float:

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fwd-ms", type=float, help="forward time per step and rank")
     p.add_argument("--bwd-ms", type=float, help="backward time per step and rank")
     p.add_argument("--opt-ms", type=float, help="one optimizer pass over all parameters "
-                   "(default: 20.5 bytes per parameter at --mem-gbs)")
+                   f"(default: {OPT_BYTES_PER_PARAM:g} bytes per parameter, one fused D-Lion "
+                   "step, at --mem-gbs)")
     p.add_argument("--mem-gbs", type=float, default=1000.0,
                    help="memory bandwidth in GB/s for the default --opt-ms (1000)")
     p.add_argument("--jitter-ms", type=float, help="extra compute delay per rank and step (0)")

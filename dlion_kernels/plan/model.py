@@ -95,7 +95,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from ..accounting import fsdp_unit_bytes
+from ..accounting import (
+    LOCAL_STEP_BYTES,
+    STEP_BYTES,
+    X_ONLY_APPLY_BYTES,
+    fsdp_unit_bytes,
+)
 from ..kernels.layout import (
     BLOCK,
     HEADER_WORDS,
@@ -113,16 +118,15 @@ JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-# Bytes per fp32 element of D-Lion's fused stages (bench_kernels.py): local step 8.125 (reads
-# g and m, writes the votes), tally 0.25 (n = 1), apply 20.125 (reads x, g, m and the aggregate,
-# writes x and m); a whole step 28.5. What splits opt_ms between before the exchange (the local
-# step) and after it (tally and apply).
-LOCAL_FRACTION = 8.125 / 28.5
+# Bytes per fp32 element of D-Lion's fused stages (accounting.py: local step 8.125, tally 0.25,
+# apply 20.125, a whole step 28.5) split opt_ms between before the exchange (the local step)
+# and after it (tally and apply).
+LOCAL_FRACTION = LOCAL_STEP_BYTES / STEP_BYTES
 APPLY_FRACTION = 1.0 - LOCAL_FRACTION
 # Hierarchical D-Lion applies to every element x only (x read and written, the aggregate: 8.125)
 # and updates the momentum of its shard alone (the rest of an apply: g read, m read and written).
-X_ONLY_FRACTION = 8.125 / 28.5
-OPT_BYTES_PER_PARAM = 20.5  # default opt_ms: one fused optimizer pass at mem_gbs
+X_ONLY_FRACTION = X_ONLY_APPLY_BYTES / STEP_BYTES
+OPT_BYTES_PER_PARAM = STEP_BYTES  # default opt_ms: one fused D-Lion step (28.5) at mem_gbs
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$")
@@ -724,8 +728,9 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     node (default: inter_gbps, as for one process per host); ``latency_us`` /
     ``intra_latency_us``: per message (intra default 5 us, at most latency_us); ``fwd_ms``,
     ``bwd_ms``: compute per step and rank; ``opt_ms``: one optimizer pass over all parameters
-    (default: 20.5 bytes per parameter at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank
-    and step, ``jitter_dist`` 'uniform' on [0, jitter] or 'normal' with that sigma;
+    (default: ``OPT_BYTES_PER_PARAM``, the 28.5 bytes per parameter of one fused D-Lion step,
+    at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank and step, ``jitter_dist``
+    'uniform' on [0, jitter] or 'normal' with that sigma;
     ``topologies``: None = every topology that fits (others are left out), or a list (one that
     does not fit raises ValueError); ``strategies``: keep only these names; ``cpu_gbs``: host
     processing rate per rank for the bytes a collective sends or sums (None: free, as with
