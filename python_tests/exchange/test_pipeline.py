@@ -136,7 +136,7 @@ def _never_waits_worker(rank, n):
             history, opt = _train(rank, entry, log=log, settle=settle,
                                   slow=rank == n - 1 and not settle)
         out[entry, settle] = (history, _steps(log.events), opt.last_stats.buckets,
-                              opt._ddp_hooked or opt._engine is not None)
+                              opt.ddp_hooked if entry == "ddp" else opt.overlap)
     companion = pipeline.companion(None, "cpu", 0)
     return plain, out, dist.get_process_group_ranks(companion), companion is \
         pipeline.companion(dist.group.WORLD, "cpu", 0)
