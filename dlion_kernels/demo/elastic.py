@@ -10,10 +10,11 @@ takes, at step s, the r-th share of the chars task's global batch of step s; whi
 away its share is not trained on.
 
 ``--kill-at K``: replica ``--kill-replica`` (default the last) is killed with SIGKILL in the
-middle of the attempt at step K (after its backward, before its vote), so the others' vote of
-that step fails. ``--restart-at S``: once the others have committed step S, a new process with
-the same replica id starts; it heals from a live replica at its first quorum and votes again.
-With a restart the replicas train until a step >= ``--iters`` commits with all R of them.
+middle of its first attempt at step K or later with all replicas taking part (after its
+backward, before its vote), so the others' vote of that step fails. ``--restart-at S``: once
+the others have committed step S, a new process with the same replica id starts; it heals
+from a live replica at its first quorum and votes again. With a restart the replicas train
+until a step >= ``--iters`` commits with all R of them.
 
 "Step" is torchft's step count: a step that does not commit is tried again with the same
 number and the same batch. Reported:
@@ -92,6 +93,10 @@ def add_args(ap) -> None:
                     help="--elastic: the healed replica's momentum (default own)")
     ap.add_argument("--eval-every", type=int, default=10, metavar="E",
                     help="--elastic: replica 0's validation loss every E steps (default 10)")
+    ap.add_argument("--join-timeout-ms", type=int, default=5000, metavar="MS",
+                    help="how long the Lighthouse waits for a live replica that has not asked "
+                    "for the quorum yet (default 5000; with 1000 on a loaded machine the "
+                    "replicas reached quorums seconds apart and split into alternating pairs)")
     ap.add_argument("--plot", metavar="PNG", default=None,
                     help="--elastic: also draw the loss through the failure (needs matplotlib)")
 
@@ -102,6 +107,8 @@ def check_args(ap, args) -> None:
         ap.error(f"--replicas must be >= {MIN_REPLICAS} (the quorum's min_replica_size)")
     if args.eval_every < 1:
         ap.error("--eval-every must be >= 1")
+    if args.join_timeout_ms < 0:
+        ap.error("--join-timeout-ms must be >= 0")
     if args.kill_replica is not None and args.kill_at is None:
         ap.error("--kill-replica needs --kill-at")
     if args.restart_at is not None and args.kill_at is None:
@@ -176,6 +183,11 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
     opt = DistributedLion(params, lr=args.lion_lr, weight_decay=args.weight_decay,
                              manager=manager, heal_momentum=args.heal_momentum)
     write(event="ready")
+    if go is None:  # the first quorum together (see --join-timeout-ms)
+        others = [os.path.join(os.path.dirname(path), f"replica{i}.jsonl")
+                  for i in range(args.replicas)]
+        while not all(any(r.get("event") == "ready" for r in _lines(o)) for o in others):
+            time.sleep(0.02)
     while True:
         opt.zero_grad()  # this step's quorum: a restarted replica heals here
         step = manager.current_step() + 1  # the step this attempt makes
@@ -185,7 +197,7 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
-        if dies and step == args.kill_at:
+        if dies and step >= args.kill_at and manager.num_participants() == args.replicas:
             lines.close()
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others' vote fails
         opt.step()
@@ -221,7 +233,8 @@ def run(args) -> dict:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum log: lines per step otherwise
     from torchft.coordination import LighthouseServer
 
-    house = LighthouseServer(bind="[::]:0", min_replicas=MIN_REPLICAS, join_timeout_ms=1000)
+    house = LighthouseServer(bind="[::]:0", min_replicas=MIN_REPLICAS,
+                             join_timeout_ms=args.join_timeout_ms)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     victim = args.kill_replica if args.kill_at is not None else None
