@@ -300,8 +300,11 @@ def best_lr(trials: list):
 
 
 def summarize(out_dir: str, meta: dict | None = None) -> str:
-    with open(os.path.join(out_dir, "runs.jsonl")) as f:
-        runs = [json.loads(line) for line in f if line.strip()]
+    runs = []
+    for name in sorted(os.listdir(out_dir)):  # runs.jsonl, and runs-*.jsonl of other launches
+        if name.startswith("runs") and name.endswith(".jsonl"):
+            with open(os.path.join(out_dir, name)) as f:
+                runs += [json.loads(line) for line in f if line.strip()]
     tune = [r for r in runs if r["phase"] == "tune"]
     ev = [r for r in runs if r["phase"] == "eval"]
     Hs = sorted({r["H"] for r in ev if r["H"]})
@@ -358,12 +361,60 @@ def summarize(out_dir: str, meta: dict | None = None) -> str:
             if ts:
                 cells = ", ".join(f"{t['lr']:g}: {t['val_loss']:.4f}" for t in ts)
                 lines.append(f"| {H or 'every step'} | {LABELS[m]} | {cells} |")
+    lines += time_to_target(rows, ev)
     text = "\n".join(lines) + "\n"
     common.save_text(out_dir, "study.md", text)
     with open(os.path.join(out_dir, "study.json"), "w") as f:
         json.dump(dict(metadata=meta or {}, rows=rows), f, indent=1)
     _plot(out_dir, ev, Hs, methods)
     return text
+
+
+LINK_RATES = (("1 Gbit/s", 1e9), ("100 Mbit/s", 1e8), ("10 Mbit/s", 1e7))
+
+
+def _mean_curve(ev, method, H):
+    """[(step, bytes sent per rank, mean validation loss over the seeds)] of the runs."""
+    rs = [r for r in ev if r["method"] == method and r["H"] == H and r["curve"]
+          and not r["diverged"]]
+    if not rs:
+        return []
+    points = min(len(r["curve"]) for r in rs)
+    return [(rs[0]["curve"][i][0], rs[0]["curve"][i][1],
+             statistics.fmean(r["curve"][i][2] for r in rs)) for i in range(points)]
+
+
+def time_to_target(rows, ev) -> list:
+    """Markdown lines: the COMPUTED time each method takes to reach a target loss at a link
+    rate, from its mean curve: steps x the measured compute step + bytes sent / link rate (no
+    latency, no overlap), at the first curve point at or below the target."""
+    adamw = next((r for r in rows if r["method"] == "adamw"), None)
+    compute = [r["step_ms"] for r in rows if r["H"] and math.isfinite(r["step_ms"])]
+    if adamw is None or not compute:
+        return []
+    t_c = statistics.median(compute) / 1e3
+    out = ["", "## Time to target over link rates (computed, not measured)", "",
+           f"Time = steps x {1e3 * t_c:.2f} ms (the median compute step of the DiLoCo runs "
+           "on this machine, the same model for every method) + bytes sent per rank / link "
+           "rate (no latency, no overlap), at the first validation point (every max(H) steps) "
+           "whose mean over the seeds reaches the target: per-step AdamW's final loss "
+           f"({adamw['loss_mean']:.4f}), and, per H, DiLoCo-Nesterov's final loss. '-': not "
+           "reached in the run.", "",
+           "| H | method | target | steps | " + " | ".join(n for n, _ in LINK_RATES) + " |",
+           "|---|---|---|---|" + "---|" * len(LINK_RATES)]
+    for r in rows:
+        curve = _mean_curve(ev, r["method"], r["H"] or 0)
+        targets = [("AdamW", adamw["loss_mean"])]
+        nes = next((x for x in rows if x["method"] == "nesterov" and x["H"] == r["H"]), None)
+        if nes is not None:
+            targets.append(("Nesterov", nes["loss_mean"]))
+        for tname, target in targets:
+            hit = next((p for p in curve if p[2] <= target), None)
+            cells = ["-"] * len(LINK_RATES) if hit is None else [
+                f"{hit[0] * t_c + 8 * hit[1] / rate:.1f} s" for _, rate in LINK_RATES]
+            out.append(f"| {r['H'] or 'every step'} | {r['label']} | {tname} | "
+                       f"{'-' if hit is None else hit[0]} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _plot(out_dir, ev, Hs, methods):
