@@ -371,6 +371,9 @@ def summarize(out_dir: str, meta: dict | None = None) -> str:
 
 
 LINK_RATES = (("1 Gbit/s", 1e9), ("100 Mbit/s", 1e8), ("10 Mbit/s", 1e7))
+# a loss most methods reach in the study's runs (chosen after seeing them: plain D-Lion and
+# D-Lion + EF + scale end above it), so that their times to one target can be compared
+COMMON_TARGET = 1.65
 
 
 def _mean_curve(ev, method, H):
@@ -398,13 +401,13 @@ def time_to_target(rows, ev) -> list:
            "on this machine, the same model for every method) + bytes sent per rank / link "
            "rate (no latency, no overlap), at the first validation point (every max(H) steps) "
            "whose mean over the seeds reaches the target: per-step AdamW's final loss "
-           f"({adamw['loss_mean']:.4f}), and, per H, DiLoCo-Nesterov's final loss. '-': not "
-           "reached in the run.", "",
+           f"({adamw['loss_mean']:.4f}), a common {COMMON_TARGET}, and, per H, "
+           "DiLoCo-Nesterov's final loss. '-': not reached in the run.", "",
            "| H | method | target | steps | " + " | ".join(n for n, _ in LINK_RATES) + " |",
            "|---|---|---|---|" + "---|" * len(LINK_RATES)]
     for r in rows:
         curve = _mean_curve(ev, r["method"], r["H"] or 0)
-        targets = [("AdamW", adamw["loss_mean"])]
+        targets = [("AdamW", adamw["loss_mean"]), (f"{COMMON_TARGET}", COMMON_TARGET)]
         nes = next((x for x in rows if x["method"] == "nesterov" and x["H"] == r["H"]), None)
         if nes is not None:
             targets.append(("Nesterov", nes["loss_mean"]))
@@ -419,7 +422,7 @@ def time_to_target(rows, ev) -> list:
 
 def _plot(out_dir, ev, Hs, methods):
     plt = common.pyplot()
-    if plt is None:
+    if plt is None or not Hs:  # no DiLoCo run: nothing to set the per-step ones against
         return
     fig, axes = plt.subplots(1, len(Hs), figsize=(5 * len(Hs), 4.2), squeeze=False,
                              sharey=True)
