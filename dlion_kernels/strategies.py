@@ -136,12 +136,13 @@ def _entries():
               "diloco-nesterov", outer="nesterov")
     # D-Lion's outer step with options (local/outer_options.py), and the SparseLoCo baseline
     yield add("diloco-dlion-ef", "DiLoCo, D-Lion vote outer step + error feedback", "diloco",
-              "adamw", None, outer="dlion", mode="vote", error_feedback=True, scale=False)
+              "adamw", "diloco-dlion-ef", outer="dlion", mode="vote", error_feedback=True,
+              scale=False)
     yield add("diloco-dlion-ef-scale", "DiLoCo, D-Lion vote outer step + error feedback + scale",
-              "diloco", "adamw", None, outer="dlion", mode="vote", error_feedback=True,
-              scale=True)
+              "diloco", "adamw", "diloco-dlion-ef-scale", outer="dlion", mode="vote",
+              error_feedback=True, scale=True)
     yield add("diloco-sparseloco", "DiLoCo, SparseLoCo outer step (top-k, 2-bit)", "diloco",
-              "adamw", None, outer="sparseloco")
+              "adamw", "diloco-sparseloco", outer="sparseloco")
     # ... on an FSDP2-sharded model: DiLoCo on the local shards, the outer step between replicas
     yield add("diloco-dlion-fsdp", "FSDP2 + DiLoCo, D-Lion vote outer step", "diloco", "adamw",
               None, nodes=True, outer="dlion", mode="vote", fsdp=True)

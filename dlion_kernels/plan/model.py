@@ -72,7 +72,12 @@ intervals during backward; one communication channel, buckets exchanged in order
   J / sqrt(12) e_n / sqrt(H / P) per inner step, normal (mean 0, sigma J) J e_n / sqrt(H / P),
   e_n the expected maximum of n standard normals (the sums' normal approximation). Times, bytes
   and ``comm_ms`` are per inner step (a sync's divided by H / P); ``options`` gives one sync's
-  (``sync_ms``, ``sync_bytes``).
+  (``sync_ms``, ``sync_bytes``). ``diloco-dlion-ef`` sends what ``diloco-dlion`` sends, and
+  ``diloco-dlion-ef-scale`` adds an all_gather of one fp32 per tensor; their outer pass counts
+  1.5 passes (the residual read and written) and their state the fp32 residual.
+  ``diloco-sparseloco``: an all_gather of every rank's list, the 8-byte header, 8 bytes per
+  tensor and, per kept element (1/64 of them), a 16-bit offset and a 2-bit value; 2 passes
+  (accumulate and top-k, decode).
 
 Every row but the decentralized ones also gives the memory a rank holds for parameters,
 gradients and optimizer state (fp32 momentum, Lion's or D-Lion's; a DDP row's optimizer is
@@ -617,36 +622,56 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
 # ----------------------------------------------------------------------------- local steps
 
 
+# DiLoCo's outer steps the model predicts (row ``diloco-<outer>``): the plain 1-bit vote, the
+# fp32 Nesterov step, the vote with error feedback (and a per-tensor scale), SparseLoCo
+DILOCO_OUTERS = ("dlion", "nesterov", "dlion-ef", "dlion-ef-scale", "sparseloco")
+# SparseLoCo's default density (top 64 of every run of 4096 elements) and its passes over the
+# fragment at a sync (the accumulator, top-k and the dense decode of every rank's values): 2
+SPARSELOCO_DENSITY = 64 / 4096
+# the outer pass of the vote with error feedback reads p and writes the residual as well: 1.5
+# optimizer-like passes
+OUTER_PASSES = {"dlion": 1.0, "nesterov": 1.0, "dlion-ef": 1.5, "dlion-ef-scale": 1.5,
+                "sparseloco": 2.0}
+
+
 def _diloco_row(cl, w, outer, H, P, tau):
-    """DiLoCo with a D-Lion or Nesterov outer step (see the module docstring)."""
+    """DiLoCo with one of ``DILOCO_OUTERS`` as the outer step (see the module docstring)."""
     g = Group(cl.n, cl.nodes, cl.L)
     numel, tensors, k = w.d / P, max(1, math.ceil(w.tensors / P)), H // P
     hidden = tau * (w.fwd + w.bwd + w.opt)  # the inner steps the exchange runs behind
-    if outer == "dlion":
+    if outer.startswith("dlion"):
         blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)
         shard = shard_blocks(blocks, cl.n) if cl.n > 1 else 0
         up = all_to_all(cl, g, (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES)
         down = all_gather(cl, g, shard * aggregate_planes("vote", "binary", cl.n) * WORD_BYTES)
+        if outer == "dlion-ef-scale":  # one fp32 scale per tensor and rank, gathered
+            down = down + all_gather(cl, g, 4 * tensors)
         comm = up + down
         exposed = max(0.0, up.ms - hidden) + up.host_ms + down.ms if tau else comm.ms
+    elif outer == "sparseloco":  # every rank's (16-bit offset, 2-bit value) list, gathered
+        kept = math.ceil(numel * SPARSELOCO_DENSITY)
+        comm = all_gather(cl, g, HEADER_WORDS * WORD_BYTES + 8 * tensors + 2 * kept
+                          + math.ceil(kept / 4))
+        exposed = max(0.0, comm.ms - hidden) + comm.host_ms if tau else comm.ms
     else:
         comm = all_reduce(cl, g, 4 * numel)
         exposed = max(0.0, comm.ms - hidden) + comm.host_ms if tau else comm.ms
     exposed = min(exposed, comm.ms)
-    outer_ms = w.opt / P  # one fused pass over the fragment, as an optimizer step
+    outer_ms = OUTER_PASSES[outer] * w.opt / P  # fused passes over the fragment
     # the slowest rank's k steps of jitter, per inner step (normal approximation of the sums)
     spread = expected_max(cl.n, 1.0, "normal") / math.sqrt(k)
     wait = w.jitter * ((0.5 + spread / math.sqrt(12)) if w.dist == "uniform" else spread)
     compute = w.fwd + w.bwd + w.opt
     step = compute + wait + (exposed + outer_ms) / k
     per = comm.times(1.0 / k)
+    # state: the inner AdamW's two fp32 moments, theta_bar, the outer momentum (SparseLoCo's
+    # accumulator) and error feedback's residual (fp32)
+    state = 8.0 * w.d + w.d * w.param_bytes + 4.0 * w.d + (4.0 * w.d if "-ef" in outer else 0)
     return Row(f"diloco-{outer}", step, compute + outer_ms / k, wait, per.ms, exposed / k,
                per.bytes, per.intra_bytes, per.inter_bytes, 1, comm.algorithm,
                {"kind": "diloco", "outer": outer, "sync_every": H, "fragments": P,
                 "overlap_steps": tau, "sync_ms": comm.ms, "sync_bytes": comm.bytes},
-               # state: the inner AdamW's two fp32 moments, theta_bar, the outer momentum (fp32)
-               w.d * w.param_bytes, w.d * w.grad_bytes,
-               8.0 * w.d + w.d * w.param_bytes + 4.0 * w.d)
+               w.d * w.param_bytes, w.d * w.grad_bytes, state)
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -814,7 +839,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     if 1 < L:
         rows += [_fsdp_row(cl, w, "allreduce", wire_bytes=b) for b in (4, 2)]
     rows += [_decentralized_row(cl, w, t, gossip_bytes) for t in topos]
-    rows += [_diloco_row(cl, w, outer, H, P, tau) for outer in ("dlion", "nesterov")]
+    rows += [_diloco_row(cl, w, outer, H, P, tau) for outer in DILOCO_OUTERS]
     if strategies is not None:
         wanted = [strategies] if isinstance(strategies, str) else list(strategies)
         names = {r.strategy for r in rows}
