@@ -352,11 +352,12 @@ class ShardAgreement:
         self.step, self.timeout = step, timeout
         self.sent = 0
 
-    def __call__(self, headers: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    def __call__(self, headers: torch.Tensor, word: torch.Tensor | None = None) -> torch.Tensor:
         me = dist.get_rank(self.sharding.replicate) if self.sharding.replicas > 1 else 0
         own = headers[:, me, :]
         flags = (own[:, 0] & NONFINITE).amax().view(1) if own.shape[0] else own.new_zeros(1)
-        flags = flags | word.to(flags.device)  # ABORTED, and the settings as step() reads them
+        if word is not None:
+            flags = flags | word.to(flags.device)  # ABORTED, and the settings as step() reads them
         mine = torch.cat([flags, own[:1, 1]]) if own.shape[0] else \
             torch.tensor([int(flags), self.step], dtype=torch.int32, device=headers.device)
         mine = mine.to(torch.int32).contiguous()
