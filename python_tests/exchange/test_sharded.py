@@ -43,7 +43,8 @@ class _Fake:
 
 def test_agreement_summary():
     """Headers [buckets, 1, 2] -> this rank's own [1, 1, 2]: its flag OR-ed over the buckets,
-    its step; a rank that gave the step up adds ABORTED (the word the exchange passes); with n = 1 no collective, no bytes."""
+    its step; a rank that gave the step up adds ABORTED (the word the exchange passes); with
+    n = 1 no collective, no bytes."""
     from dlion_kernels.exchange.pipeline import ABORTED
 
     headers = torch.tensor([[[0, 5]], [[NONFINITE, 5]]], dtype=torch.int32)
