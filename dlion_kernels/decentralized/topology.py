@@ -68,6 +68,10 @@ class Topology:
         return cached("topology", None, lambda: new_group(global_ranks, self.timeout),
                       global_ranks, self.timeout)
 
+    def groups(self) -> list:
+        """The process groups of this rank over one period (None where it is alone)."""
+        return [pg for _, pg in self._mine if pg is not None]
+
     def group_at(self, t: int):
         """(ranks of this rank's group at step t, its process group or None if alone)."""
         return self._mine[t % self.period]

@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
+from .agree import explain_step as explain
 from .checks import DTYPES, check_params, check_tensor
 from .collectives import (
     DistributedStepError,
@@ -96,7 +97,6 @@ from .pipeline import (
     all_gather,
     apply_rows,
     check_group_device,
-    explain,
     update_momentum,
 )
 
@@ -620,7 +620,7 @@ class OverlapStep:
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
                            timeout=timeout, segments=segments)
-        self.ex.explain_groups = [topo.whole]  # every rank raises the same error
+        self.ex.explainer, self.ex.explain_groups = explain, [topo.whole]  # one error
         self.ex.made_groups += [topo.intra, topo.inter, topo.whole]  # retired on a failure
         self.step, self.mode, self.votes = int(step), mode, votes
         self.intra = self.committed = 0

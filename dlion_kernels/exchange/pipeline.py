@@ -74,7 +74,6 @@ from .groups import cached, new_group, retire
 from .header import (
     HEADER_WORDS,
     NONFINITE,
-    check_settings,
     decide,
     make_header,
     settings_differ,
@@ -493,8 +492,9 @@ class Exchange:
         # buckets started before step() (overlap, the DDP hook): the settings may change
         # between them and step(), so finish gathers one more word per rank (``VERDICT``)
         self.late = late
-        # where the ranks explain a step given up or set apart (``agree.py``): default the group
-        self.explain_groups = None
+        # how and where the ranks explain a step given up or set apart: ``agree.explain_step``
+        # over these groups (default: the exchange's group), set by the optimizer
+        self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
         self.made_groups = [gather_group] if self.poll else []
 
@@ -646,34 +646,12 @@ class Exchange:
         return torch.stack([words, headers[0, :, 1]], dim=-1).view(1, self.n, HEADER_WORDS)
 
     def explain(self, headers) -> None:
-        """``explain`` with this exchange's problem, settings, groups, step and timeout."""
-        explain(headers, self.problem, self.segments, self.explain_groups or [self.group],
-                self.step, self.timeout)
-
-
-def explain(headers, problem, segments, groups, step, timeout=None) -> None:
-    """When a rank gave the step up or the ranks' settings differ (``headers``: [.., n, 2], the
-    same on every rank of ``groups``, read on the host here): every rank raises the same error,
-    naming the ranks and what they found (``problem``: this rank's own error, or None) or set
-    (``segments``' settings), through ``agree.py``: two small all_gathers over ``groups``,
-    only then. Otherwise returns."""
-    words = headers.cpu()
-    gave_up = sorted({r for b in words.view(-1, words.shape[-2], HEADER_WORDS).tolist()
-                      for r, h in enumerate(b) if h[0] & ABORTED})
-    differ = bool(settings_differ(words[..., 0]))
-    if not gave_up and not differ:
-        return
-    from . import agree  # it builds on this module
-
-    settings = [(s.lr, (s.beta1, s.beta2), s.weight_decay) for s in segments or []]
-    agree.agree(problem if isinstance(problem, Exception) else None,
-                [agree.Fact("param group settings (lr, betas, weight_decay)", settings)],
-                groups, what=f"D-Lion step {step}", changed="nothing was updated on any rank",
-                step=step, timeout=timeout)
-    if gave_up:  # no rank told why (an interrupt): the flag alone
-        raise StepAbortedError(step, gave_up)
-    for bucket in words.view(-1, words.shape[-2], HEADER_WORDS).tolist():
-        check_settings(bucket, step)  # a digest alone differs: name the ranks
+        """``self.explainer`` (``agree.explain_step``) with this exchange's problem, settings,
+        groups, step and timeout. Without one (the functional API, DiLoCo), nothing here: the
+        verdict raises from the headers alone (``Verdict.resolve``)."""
+        if self.explainer is not None:
+            self.explainer(headers, self.problem, self.segments,
+                           self.explain_groups or [self.group], self.step, self.timeout)
 
 
 def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
@@ -683,7 +661,7 @@ def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfini
     tensors = [t for s in segments for t in s.params]
     device = tensors[0].device if tensors else torch.device("cpu")
     ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
-                  nonfinite=nonfinite, found_inf=found_inf, streams=streams)
+                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments)
     for blocks, entries in buckets:
         rows = []
         for s, i, off in entries:

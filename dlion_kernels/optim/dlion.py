@@ -626,6 +626,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                           if self._sharding is not None else None)
                                       if overlapped else None,
                                       segments=self._segments, late=overlapped)
+            self._exchange.explainer = agree.explain_step  # one error on every rank
             self._exchanged = set()
             if self._sharding is not None:
                 self._agreement = sharded.ShardAgreement(self._sharding, step, timeout)
