@@ -199,9 +199,10 @@ def test_subgroup_lag_one_and_reordered_group():
             assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
         for events in steps:
             issued = [e[1] for e in events if e[0] == "issue"]
-            # lag one on the one group: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...
+            # lag one on the one group: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...,
+            # then the overlapped step's verdict word at step()
             expected = [pipeline.A2A] + [pipeline.A2A, pipeline.GATHER] * (buckets - 1) + \
-                [pipeline.GATHER]
+                [pipeline.GATHER, pipeline.VERDICT]
             assert issued == expected, issued
 
 
