@@ -117,6 +117,8 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        from dlion_kernels.accounting import ring_all_reduce_bytes
+
         chars, data, model, inner = _setup(args)
         # the Manager connects to its replica group's store; rank 0 of the group creates it
         store = torch.distributed.TCPStore("localhost", port, is_master=True,
@@ -144,7 +146,7 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
             res = _train(replica, args, chars, data, model, inner, lambda: None)
         syncs = args.steps // args.sync_every
         per_sync = sum(handed) / max(syncs, 1)
-        res["bytes_per_sync"] = [round(2 * (N - 1) / N * per_sync)] * syncs
+        res["bytes_per_sync"] = [round(ring_all_reduce_bytes(N, per_sync))] * syncs
         res["manager_step"] = manager.current_step()
         manager.shutdown(wait=False)
         del store

@@ -78,6 +78,7 @@ def worker(cfg_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import dlion_kernels as dk
+    from dlion_kernels.accounting import ring_all_reduce_bytes
     from dlion_kernels.kernels.layout import aggregate_planes, num_blocks, shard_blocks, vote_planes
 
     with open(cfg_path) as f:
@@ -170,7 +171,7 @@ def worker(cfg_path: str, rank: int) -> None:
         if isinstance(stats, dk.StepStats):
             result["bytes_sent"][name] = stats.bytes_sent
             result["backend"][name] = stats.backend
-    ring = round(2 * (n - 1) / n * 4 * d)  # what a ring all-reduce of fp32 sends per rank
+    ring = round(ring_all_reduce_bytes(n, 4 * d))  # what a ring all-reduce of fp32 sends per rank
     result["bytes_sent"]["allreduce_fp32_comm"] = ring
     result["bytes_sent"]["lion_allreduce_fp32"] = ring
     result["bytes_sent"]["dlion_vote_binary_comm"] = (n - 1) * shard * (p_in + p_out) * 4

@@ -282,8 +282,9 @@ JITTER_FRACTION = 0.05  # uniform extra delay up to 5% of fwd + bwd per rank and
 
 def cluster_inputs(cluster: dict, params: float) -> dict:
     """predict() inputs: compute = 6 P T FLOPs per step at MFU of the peak (fwd 1/3, bwd 2/3);
-    optimizer 20.5 bytes per parameter at the memory bandwidth; bf16 gradients on the wire for
-    the bf16 all-reduce only (fp32 gradients and parameters otherwise)."""
+    optimizer 28.5 bytes per parameter at the memory bandwidth (one fused D-Lion step); bf16
+    gradients on the wire for the bf16 all-reduce only (fp32 gradients and parameters
+    otherwise)."""
     c = dict(cluster)
     flops = 6 * params * TOKENS_PER_RANK
     compute_ms = flops / (c.pop("tflops") * 1e12 * MFU) * 1e3

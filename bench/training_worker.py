@@ -3,7 +3,7 @@
     python bench/training_worker.py CFG.json
 
 runs every case of the configuration file (a strategy slug as the variant, batch, bucket size)
-on the same process, each built by ``dlion_kernels/build.py``, and rank 0 writes the per-rank
+on the same process, each built by ``dlion_kernels/build/``, and rank 0 writes the per-rank
 timings, bytes and stats to the file the configuration names.
 """
 

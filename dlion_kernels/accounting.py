@@ -1,9 +1,10 @@
-"""Bytes a rank sends in the collectives D-Lion does not run itself, without torch.
+"""Bytes a rank sends in the collectives D-Lion does not run itself, and the bytes of memory
+D-Lion's fused stages move, without torch.
 
 D-Lion's own exchange counts what it sends (``StepStats``). The gradient all-reduce it replaces,
 gossip averaging and FSDP2's collectives are run by torch.distributed, which counts nothing, so
 every report of their bytes (the optimizer's ``allreduce_fp32_bytes``, the strategies built by
-``build.py``, the demos, the runtime model in ``plan/``) uses these formulas, for the ring
+``build/``, the demos, the runtime model in ``plan/``) uses these formulas, for the ring
 algorithms gloo runs (and NCCL's ring). Bytes are per rank, sent.
 
 - All-reduce of S bytes over p ranks: a reduce-scatter and an all-gather of S / p chunks, each
@@ -14,9 +15,25 @@ algorithms gloo runs (and NCCL's ring). Bytes are per rank, sent.
   shard to each of the L - 1 peers each time, and reduce-scatters the unit's L s gradient
   elements, sending (L - 1) s of them; with HSDP the N replicas also all-reduce the shard of
   gradients across nodes.
+- D-Lion's fused stages (kernel stages v2), bytes of memory traffic per fp32 element: the local
+  step reads g and m and writes one vote bit (8.125); the tally reads one vote plane and writes
+  one aggregate plane (0.25, one voter); apply reads x, g, m and the aggregate bit and writes x
+  and m (20.125); a whole step 28.5. Apply on x only (no momentum: ``exp_avgs=None``) reads and
+  writes x and reads the aggregate bit (8.125). ``bench/bench_kernels.py`` times each stage
+  against these counts; the runtime model charges the optimizer by them.
 """
 
 from __future__ import annotations
+
+import math
+
+# D-Lion's fused stages, bytes of memory traffic per fp32 element (kernel stages v2)
+_F32, _BIT = 4, 1 / 8
+LOCAL_STEP_BYTES = _F32 + _F32 + _BIT  # g, m read; the vote bit written
+TALLY_BYTES = _BIT + _BIT  # one voter: its vote plane read, the aggregate plane written
+APPLY_BYTES = 2 * _F32 + _F32 + 2 * _F32 + _BIT  # x, m read and written; g, aggregate read
+STEP_BYTES = LOCAL_STEP_BYTES + TALLY_BYTES + APPLY_BYTES  # 28.5: one whole D-Lion step
+X_ONLY_APPLY_BYTES = 2 * _F32 + _BIT  # apply without momentum: x read and written, aggregate
 
 
 def ring_all_reduce_bytes(ranks: int, nbytes: float) -> float:
@@ -51,4 +68,46 @@ def fsdp_unit_bytes(shard_elems: float, shard_param_bytes: float, ranks_per_node
     intra = (ranks_per_node - 1) * (gathers * shard_param_bytes + shard_elems * reduce_bytes)
     inter = ring_all_reduce_bytes(nodes, reduce_bytes * shard_elems) if replicas_all_reduce \
         else 0.0
+    return intra, inter
+
+
+def ddp_all_reduce_bytes(ranks: int, numel: int, *, wire_bytes: int = 4,
+                         ranks_per_node: int | None = None) -> tuple[int, int | None]:
+    """(bytes sent, bytes sent to other nodes or None) per step of DDP's gradient all-reduce of
+    ``numel`` elements over ``ranks`` ranks: one ring in ``wire_bytes`` per element, or with
+    ``ranks_per_node`` = L (the hierarchical hook, fp32) a reduce-scatter and an all-gather in
+    the node (together the bytes of a ring all-reduce over L) plus the ring all-reduce of the
+    1 / L shard across the ranks / L nodes."""
+    if ranks_per_node is None:
+        return round(ring_all_reduce_bytes(ranks, wire_bytes * numel)), None
+    L = ranks_per_node
+    inter = round(ring_all_reduce_bytes(ranks // L, 4 * numel / L))
+    return round(ring_all_reduce_bytes(L, 4 * numel)) + inter, inter
+
+
+def fsdp_shard_elems(param, ranks_per_node: int) -> int:
+    """Elements of a parameter's local shard as FSDP2 pads it: ceil(rows / L) rows (a tensor,
+    or anything with ``shape``, ``dim()`` and ``numel()``)."""
+    rows = param.shape[0] if param.dim() else 1
+    return math.ceil(rows / ranks_per_node) * (param.numel() // rows if rows else 0)
+
+
+def fsdp_model_bytes(units, model, ranks_per_node: int, nodes: int, reduce_bytes: int,
+                     hsdp: bool) -> tuple[int, int]:
+    """(bytes inside the node, bytes between nodes) a rank sends per step in FSDP2's own
+    collectives for ``model`` sharded unit by unit (``units``: the modules sharded before the
+    root), ``fsdp_unit_bytes`` per unit with its shard padded as FSDP2 pads it, the root
+    gathered once (its parameters stay unsharded between forward and backward); the gradients
+    in ``reduce_bytes`` per element; ``hsdp``: the replicas all-reduce the gradient shards.
+    Checked against the counted collectives in python_tests/test_build.py."""
+    L, N = ranks_per_node, nodes
+    own = {id(p) for u in units for p in u.parameters()}
+    root = [p for p in model.parameters() if id(p) not in own]
+    intra = inter = 0
+    for params, gathers in [(list(u.parameters()), 2) for u in units] + [(root, 1)]:
+        shard = sum(fsdp_shard_elems(p, L) for p in params)
+        gathered = sum(fsdp_shard_elems(p, L) * p.element_size() for p in params)
+        a, b = fsdp_unit_bytes(shard, gathered, L, N, reduce_bytes=reduce_bytes, gathers=gathers,
+                               replicas_all_reduce=hsdp)
+        intra, inter = intra + round(a), inter + round(b)
     return intra, inter

@@ -27,17 +27,17 @@ lowercase and dash-separated, family first, then what sets it apart:
   baseline (top-k per run, 2-bit values, error feedback; ``outer="sparseloco"``)
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
-builder in ``build.py``), whether it needs nodes of L > 1 ranks, and the runtime model's row that
-predicts its step (``plan/model.py``; None where the model has none). The model names its rows
-by these slugs: a strategy's row is its own slug, or, where two strategies run the same
-exchange, the other's (``adamw-allreduce`` is predicted by ``lion-allreduce``'s row, the
-decentralized optimizers of a topology by its ``accum-adamw`` row). Numbers that are the same
-for every strategy of a run (learning rates, bucket size, L, K) are the builder's ``Settings``,
-not part of the name.
+builder in ``build/builders.py``), whether it needs nodes of L > 1 ranks, and the runtime
+model's row that predicts its step (``plan/model.py``; None where the model has none). The
+model names its rows by these slugs: a strategy's row is its own slug, or, where two
+strategies run the same exchange, the other's (``adamw-allreduce`` is predicted by
+``lion-allreduce``'s row, the decentralized optimizers of a topology by its ``accum-adamw``
+row). Numbers that are the same for every strategy of a run (learning rates, bucket size, L,
+K) are the builder's ``Settings``, not part of the name.
 
 The demo (``--strategy``), ``bench/bench_training.py`` (``--variants``), ``bench/bench_plan.py``
 and the runtime model (``choose_strategy``) name strategies by these slugs. Adding one is an
-entry in ``_entries`` below, plus a builder in ``build.py`` for a new family.
+entry in ``_entries`` below, plus a builder in ``build/builders.py`` for a new family.
 
 Pure Python, no torch: the runtime model imports it.
 """
@@ -136,12 +136,13 @@ def _entries():
               "diloco-nesterov", outer="nesterov")
     # D-Lion's outer step with options (local/outer_options.py), and the SparseLoCo baseline
     yield add("diloco-dlion-ef", "DiLoCo, D-Lion vote outer step + error feedback", "diloco",
-              "adamw", None, outer="dlion", mode="vote", error_feedback=True, scale=False)
+              "adamw", "diloco-dlion-ef", outer="dlion", mode="vote", error_feedback=True,
+              scale=False)
     yield add("diloco-dlion-ef-scale", "DiLoCo, D-Lion vote outer step + error feedback + scale",
-              "diloco", "adamw", None, outer="dlion", mode="vote", error_feedback=True,
-              scale=True)
+              "diloco", "adamw", "diloco-dlion-ef-scale", outer="dlion", mode="vote",
+              error_feedback=True, scale=True)
     yield add("diloco-sparseloco", "DiLoCo, SparseLoCo outer step (top-k, 2-bit)", "diloco",
-              "adamw", None, outer="sparseloco")
+              "adamw", "diloco-sparseloco", outer="sparseloco")
     # ... on an FSDP2-sharded model: DiLoCo on the local shards, the outer step between replicas
     yield add("diloco-dlion-fsdp", "FSDP2 + DiLoCo, D-Lion vote outer step", "diloco", "adamw",
               None, nodes=True, outer="dlion", mode="vote", fsdp=True)

@@ -3,7 +3,13 @@ report of those bytes uses them."""
 
 import pytest
 
-from dlion_kernels.accounting import fsdp_unit_bytes, ring_all_reduce_bytes
+from dlion_kernels.accounting import (
+    ddp_all_reduce_bytes,
+    fsdp_model_bytes,
+    fsdp_shard_elems,
+    fsdp_unit_bytes,
+    ring_all_reduce_bytes,
+)
 
 
 def test_ring_all_reduce_bytes():
@@ -45,3 +51,25 @@ def test_every_report_uses_the_ring_formula():
         assert StepStats(0, 0, d, n, "vote", "binary", "cpu").allreduce_fp32_bytes == round(want)
         assert allreduce_fp32_bytes(d, n) == round(want)
         assert gossip_bytes_per_step(d, 4, n) == want
+
+
+def test_ddp_all_reduce_bytes():
+    assert ddp_all_reduce_bytes(4, 1000) == (6000, None)  # 2 * 3/4 * 4000
+    assert ddp_all_reduce_bytes(4, 1000, wire_bytes=2) == (3000, None)
+    assert ddp_all_reduce_bytes(1, 1000) == (0, None)
+    # the hierarchical hook, 2 nodes of 2: a ring over the node (4000), the half shard's ring
+    # across the nodes (2000)
+    assert ddp_all_reduce_bytes(4, 1000, ranks_per_node=2) == (6000, 2000)
+
+
+def test_fsdp_model_bytes():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    # padded shards on L = 2: ceil(3 / 2) = 2 rows of 5, 2 of the bias; the root's 1 row of 3, 1
+    assert [fsdp_shard_elems(p, 2) for p in model.parameters()] == [10, 2, 3, 1]
+    assert fsdp_shard_elems(torch.zeros(()), 2) == 1
+    # unit: (L - 1) (2 gathers of 48 bytes + 12 fp32 gradients); root: 1 gather of 16 + 4 grads
+    assert fsdp_model_bytes([model[0]], model, 2, 2, 4, False) == (144 + 32, 0)
+    # HSDP: each shard's gradients all-reduced by the 2 replicas (ring: half of them sent)
+    assert fsdp_model_bytes([model[0]], model, 2, 2, 4, True) == (144 + 32, 48 + 16)

@@ -1,4 +1,4 @@
-"""Named strategies built on gloo ranks (dlion_kernels/build.py): every family has a builder,
+"""Named strategies built on gloo ranks (dlion_kernels/build/): every family has a builder,
 each built strategy trains with the bytes its exchange sends, and bad input is refused before
 any collective."""
 
@@ -9,6 +9,7 @@ from workers import run_workers
 
 from dlion_kernels import build as b
 from dlion_kernels import strategies
+from dlion_kernels.build.groups import fsdp_mesh
 from dlion_kernels.kernels.layout import HEADER_WORDS, num_blocks, shard_blocks
 
 N, L = 4, 2
@@ -203,7 +204,7 @@ def _fsdp_train(rank, n):
     for slug in FSDP + ["lion-allreduce"]:
         built = b.build(slug, _model(), SETTINGS)
         fsdp = slug.startswith("fsdp")
-        replicate = b._fsdp_mesh(L, "cpu")["replicate"].get_group() if fsdp else None
+        replicate = fsdp_mesh(L, "cpu")["replicate"].get_group() if fsdp else None
         steps = []
         for step in range(2):
             torch.manual_seed(100 * rank + step)
@@ -255,7 +256,7 @@ def test_fsdp_strategies_train_with_replicas_identical(fsdp_trained):
 
 
 def test_fsdp_bytes_and_memory(fsdp_trained):
-    """Bytes per step: FSDP2's collectives by the formula of build._fsdp_bytes equal those
+    """Bytes per step: FSDP2's collectives by the formula of accounting.fsdp_model_bytes equal those
     counted at the collectives (ring conventions), D-Lion's between nodes its StepStats; memory
     per rank: parameters, gradients and momentum of the local shards (fp32)."""
     for slug in FSDP:
@@ -286,7 +287,7 @@ def _fsdp_diloco_train(rank, n):
     out = {}
     for slug in FSDP_DILOCO:
         built = b.build(slug, _model(), DILOCO_SETTINGS)
-        replicate = b._fsdp_mesh(L, "cpu")["replicate"].get_group()
+        replicate = fsdp_mesh(L, "cpu")["replicate"].get_group()
         steps = []
         for step in range(4):
             torch.manual_seed(100 * rank + step)  # every rank its own data

@@ -178,22 +178,31 @@ def _refused(fn) -> str | None:
     return None
 
 
+def _save_perturb_load(obj, directory, train, steps: int, group=None) -> dict:
+    """Save ``obj`` into ``directory`` (``group=`` as save_state takes it), train ``steps``
+    more steps, load it back: the files the save left, what the load returned, whether the
+    training changed the state, whether the load restored it bit for bit, and whether there was
+    tensor state to lose."""
+    dk.save_state(obj, directory, group=group)
+    saved = _snapshot(obj)
+    files = sorted(os.listdir(directory))  # every rank has returned from the save: final
+    dist.barrier(group=group)
+    train(steps)
+    changed = not _same_bits(saved, _snapshot(obj))
+    returned = dk.load_state(obj, directory, group=group)
+    return dict(files=files, returned=returned, changed=changed,
+                restored=_same_bits(saved, _snapshot(obj)), tensors=_has_tensors(saved))
+
+
 def _round_trip(name, rank, root):
     obj, train, mesh = _make(name, rank)
     directory = os.path.join(root, name)
     train(2)
     dk.save_state(obj, directory)  # a first save, replaced by the next one
     train(2)
-    dk.save_state(obj, directory)
-    saved = _snapshot(obj)
-    files = sorted(os.listdir(directory))  # every rank has returned from the save: final
+    out = _save_perturb_load(obj, directory, train, 2)
     manifest = json.loads(open(os.path.join(directory, "manifest.json")).read())
-    dist.barrier()
-    train(2)
-    changed = not _same_bits(saved, _snapshot(obj))
-    returned = dk.load_state(obj, directory)
-    out = dict(files=files, manifest=manifest, returned=returned == manifest, changed=changed,
-               restored=_same_bits(saved, _snapshot(obj)), tensors=_has_tensors(saved))
+    out.update(manifest=manifest, returned=out["returned"] == manifest)
     if name == "diloco":
         out["momenta"] = [m.clone() for m in obj.outer_momenta]
         out["theta_bar"] = [t.clone() for t in obj.theta_bar]
@@ -203,12 +212,8 @@ def _round_trip(name, rank, root):
     if name == "flat-pairs":
         # its state lives on its pair: the pair alone may save it, into a directory of its own
         mine = os.path.join(root, f"{name}-pair{rank // 2}")
-        dk.save_state(obj, mine, group=obj.group)
-        at_save = _snapshot(obj)
-        pair_files = sorted(os.listdir(mine))
-        train(1)
-        dk.load_state(obj, mine, group=obj.group)
-        out["pair"] = dict(files=pair_files, restored=_same_bits(at_save, _snapshot(obj)))
+        pair = _save_perturb_load(obj, mine, train, 1, group=obj.group)
+        out["pair"] = dict(files=pair["files"], restored=pair["restored"])
         return out, obj
     before = _listing(directory)
     groups = {"subgroup": _pairs()}

@@ -27,7 +27,7 @@ from workers import run_workers
 
 import dlion_kernels as dk
 from dlion_kernels.exchange import sharded
-from dlion_kernels.exchange.pipeline import A2A, GATHER, StepAbortedError
+from dlion_kernels.exchange.pipeline import A2A, GATHER
 
 
 class _Net(torch.nn.Module):
@@ -119,8 +119,9 @@ EXPECTED = {
     "second backward": {r: "RuntimeError" for r in range(4)},
     "non-finite": {r: "NonFiniteGradientError" for r in range(4)},
     "mismatch": {r: "StepMismatchError" for r in range(4)},
-    "bad input on one rank": {0: "StepAbortedError", 1: "StepAbortedError", 2: "TypeError",
-                              3: "StepAbortedError"},
+    # one decision: the same error on every rank, naming rank 2's (python_tests/optim/
+    # test_dlion_step_decisions.py has more mistakes on one rank only)
+    "bad input on one rank": {r: "TypeError" for r in range(4)},
     "bad input everywhere": {r: "TypeError" for r in range(4)},
 }
 
@@ -140,9 +141,10 @@ def test_errors_then_fresh_start():
             where = (r, overlap, hierarchy, case, got["error"])
             if case == "second backward":
                 assert "no_sync" in got["error"][1], where
+            if case == "bad input on one rank":
+                assert "failed on ranks [2]" in got["error"][1], where
             assert got["unchanged"], where
             assert got["fresh"], where
-    assert issubclass(StepAbortedError, RuntimeError)
 
 
 # ----------------------------------------------------------------------------- the fault matrix

@@ -54,7 +54,9 @@ HOMES = {"BLOCK": "dlion_kernels.kernels.layout", "WORD_BYTES": "dlion_kernels.k
          "HEADER_WORDS": "dlion_kernels.kernels.layout",
          "TOPOLOGIES": "dlion_kernels.topologies", "STRATEGIES": "dlion_kernels.strategies",
          "ring_all_reduce_bytes": "dlion_kernels.accounting",
-         "fsdp_unit_bytes": "dlion_kernels.accounting"}
+         "fsdp_unit_bytes": "dlion_kernels.accounting",
+         "fsdp_model_bytes": "dlion_kernels.accounting",
+         "ddp_all_reduce_bytes": "dlion_kernels.accounting"}
 
 # Private attributes of code outside the package that the package reads on purpose, as
 # (module, attribute): the reason. Reaching into a dlion_kernels module never belongs here: give

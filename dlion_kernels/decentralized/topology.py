@@ -10,11 +10,9 @@ import os
 
 import torch.distributed as dist
 
-from ..exchange.collectives import as_timedelta, new_group
+from ..exchange.collectives import as_timedelta
+from ..exchange.groups import cached, new_group
 from ..topologies import check, period, schedule
-
-# (id of the default group, global ranks, timeout) -> (default group, subgroup)
-_GROUPS: dict = {}
 
 
 def local_world_size(default: int = 1) -> int:
@@ -65,14 +63,14 @@ class Topology:
             global_ranks = tuple(dist.get_global_rank(self.group, r) for r in ranks)
         if len(global_ranks) == dist.get_world_size():
             return dist.group.WORLD if self.group is None else self.group
-        # Cached per default group: a re-initialised process group needs fresh subgroups.
-        world = dist.group.WORLD
-        key = (id(world), global_ranks, self.timeout)
-        hit = _GROUPS.get(key)
-        if hit is None or hit[0] is not world:
-            hit = (world, new_group(global_ranks, self.timeout))
-            _GROUPS[key] = hit
-        return hit[1]
+        # the library's group cache: per default group (a re-initialised process group gets
+        # fresh subgroups), made with the job's timeout, never a retired group
+        return cached("topology", None, lambda: new_group(global_ranks, self.timeout),
+                      global_ranks, self.timeout)
+
+    def groups(self) -> list:
+        """The process groups of this rank over one period (None where it is alone)."""
+        return [pg for _, pg in self._mine if pg is not None]
 
     def group_at(self, t: int):
         """(ranks of this rank's group at step t, its process group or None if alone)."""

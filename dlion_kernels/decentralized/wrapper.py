@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from ..accounting import ring_all_reduce_bytes
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
-from ..exchange.collectives import as_timedelta, collective, wait
+from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
+from ..exchange.groups import retire
 from .topology import Topology
 
 _GOSSIP_DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
@@ -269,16 +270,21 @@ class DecentralizedDataParallel(torch.nn.Module):
                 applied=f"bucket {index} of this rank finished this iteration, later buckets "
                 "did not"))
             k = len(ranks)
-            self.bytes_sent += int(2 * (k - 1) / k * send.numel() * send.element_size())
+            self.bytes_sent += int(gossip_bytes_per_step(send.numel(), send.element_size(), k))
 
     def _wait(self, st: _BucketState, where: str = "this iteration") -> None:
         k = st.bucket.index
-        for w in st.works:  # every buffer of the bucket before any parameter changes
-            wait(w, self.iteration, f"all_reduce(gossip, bucket {k})", self.timeout,
-                 label=_LABEL,
-                 applied=f"the gossip was launched at iteration {st.launched}; buckets before "
-                 f"bucket {k} of this rank finished {where}, bucket {k} and later ones are "
-                 "exactly as before it")
+        try:
+            for w in st.works:  # every buffer of the bucket before any parameter changes
+                wait(w, self.iteration, f"all_reduce(gossip, bucket {k})", self.timeout,
+                     label=_LABEL,
+                     applied=f"the gossip was launched at iteration {st.launched}; buckets "
+                     f"before bucket {k} of this rank finished {where}, bucket {k} and later "
+                     "ones are exactly as before it")
+        except DistributedStepError:
+            # work may be left pending on the topology's groups: they are made again, not reused
+            retire(*self.topology.groups())  # (groups the cache never held: no-op)
+            raise
         st.works = []
 
     @torch.no_grad()

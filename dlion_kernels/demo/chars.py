@@ -103,10 +103,13 @@ DEFAULT_STRATEGIES = (
 BUCKET_MB = 0.125
 
 
-def parse_args(argv=None):
+def make_parser() -> argparse.ArgumentParser:
+    """The chars task's options (``parse_args`` checks them; the elastic run adds its own)."""
     ap = argparse.ArgumentParser(prog="python -m dlion_kernels.demo --task chars",
                                  description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Elastic training on torchft's quorum (a replica killed "
+                                 "and restarted): --task chars --elastic --help")
     add_common_args(ap, "chars", DEFAULT_STRATEGIES, lion_lr=3e-3, adamw_lr=3e-3)
     ap.add_argument("--iters", type=int, default=120, help="training iterations per run")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per worker per iteration")
@@ -118,7 +121,11 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--json", metavar="FILE", help="also write the per-seed rows and the table "
                     "rows as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """argparse errors for the values the parser cannot check alone."""
     check_common_args(ap, args)
     for flag in ("iters", "batch_size", "context", "d_model", "heads", "layers",
                  "eval_windows"):
@@ -126,6 +133,12 @@ def parse_args(argv=None):
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.d_model % args.heads:
         ap.error("--d-model must be a multiple of --heads")
+
+
+def parse_args(argv=None):
+    ap = make_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
     return args
 
 

@@ -1,6 +1,6 @@
 """What the demo tasks share: the command-line options every task has (``--strategy`` takes the
 slugs of ``dlion_kernels/strategies.py``, or ``auto``), the ``Settings`` the strategies are built
-with (``dlion_kernels/build.py``), ``--strategy auto`` (the runtime model picks), the
+with (``dlion_kernels/build/``), ``--strategy auto`` (the runtime model picks), the
 rank-agreement check, and ``launch`` (the ranks torchrun started, or gloo processes spawned here
 by ``dlion_kernels.launch.spawn``).
 """

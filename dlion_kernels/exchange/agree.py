@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from . import sharded
 from .collectives import as_timedelta, collective
-from .header import StepMismatchError
-from .pipeline import all_gather
+from .header import HEADER_WORDS, StepMismatchError, check_settings, settings_differ
+from .pipeline import ABORTED, StepAbortedError, all_gather
 
 AGREE = "all_gather(agreement)"
 DETAILS = "all_gather(agreement details)"
@@ -241,8 +241,31 @@ def _verdict(info, failed, differs, facts, what: str, changed: str) -> Exception
                  + (". " + " ".join(hints) if hints else ""))
 
 
+def explain_step(headers, problem, segments, groups, step, timeout=None) -> None:
+    """A step's verdict, when a rank gave the step up or the ranks' settings differ
+    (``headers``: [.., n, 2], the same on every rank of ``groups``, read on the host here):
+    every rank raises the same error, naming the ranks and what they found (``problem``: this
+    rank's own error, or None) or set (``segments``' lr, betas and weight_decay), through
+    ``agree``: two small all_gathers over ``groups``, only then. Otherwise returns."""
+    words = headers.cpu()
+    rows = words.view(-1, words.shape[-2], HEADER_WORDS).tolist()
+    gave_up = sorted({r for b in rows for r, h in enumerate(b) if h[0] & ABORTED})
+    if not gave_up and not bool(settings_differ(words[..., 0])):
+        return
+    settings = [(s.lr, (s.beta1, s.beta2), s.weight_decay) for s in segments or []]
+    agree(problem if isinstance(problem, Exception) else None,
+          [Fact("param group settings (lr, betas, weight_decay)", settings)], groups,
+          what=f"D-Lion step {step}", changed="nothing was updated on any rank", step=step,
+          timeout=timeout)
+    if gave_up:  # no rank told why (an interrupt): the flag alone
+        raise StepAbortedError(step, gave_up)
+    for bucket in rows:
+        check_settings(bucket, step)  # a digest alone differs: name the ranks
+
+
 def _ranks(ranks) -> str:
     return f"ranks {list(ranks)}"
 
 
-__all__ = ["AGREE", "DETAILS", "Fact", "agree", "bound", "digest", "start_groups"]
+__all__ = ["AGREE", "DETAILS", "Fact", "agree", "bound", "digest", "explain_step",
+           "start_groups"]

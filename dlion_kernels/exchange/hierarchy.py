@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import BLOCK, block_offsets, shard_blocks
+from .agree import explain_step as explain
 from .checks import DTYPES, check_params, check_tensor
 from .collectives import (
     DistributedStepError,
@@ -84,7 +85,7 @@ from .collectives import (
     reduce_scatter_into_tensor,
 )
 from .groups import cached, new_group, retire
-from .header import HEADER_WORDS, decide, make_header
+from .header import HEADER_WORDS, NONFINITE, decide, make_header, settings_word
 from .pipeline import (
     ABORTED,
     WORD_BYTES,
@@ -376,7 +377,8 @@ def _node_mean_grad(tensors, grads, layout: ShardLayout, topo: Topology, step, t
 
 
 def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
-                          step, nonfinite, timeout=None, found_inf=None) -> HierarchicalStepStats:
+                          step, nonfinite, timeout=None, found_inf=None,
+                          problem=None) -> HierarchicalStepStats:
     """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
     momentum comes from ``momentum``, a FullMomentum or ShardedMomentum).
 
@@ -388,19 +390,24 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     Every collective goes through ``collectives.collective`` / ``wait``: a dead or stalled peer
     raises ``DistributedStepError`` naming the step and the collective, bounded by ``timeout``
     (None: the groups' own timeout). Nothing is written (parameters, momentum shard) before the
-    step's last collective has returned, so a failed step leaves this rank as it was."""
+    step's last collective has returned, so a failed step leaves this rank as it was.
+
+    ``problem``: an error this rank found in its own input (the gradients then count as None):
+    it takes part in every collective up to the flags', which tell every rank (``ABORTED``), and
+    every rank raises the same error (``pipeline.explain``). Settings that differ between ranks
+    (``header.settings_word`` in the last collective) raise the same error everywhere too."""
     topo = topology(group, ranks_per_node, timeout)
     try:
         return _hierarchical_step(topo, segments, momentum, mode=mode, votes=votes,
                                   backend=backend, step=step, nonfinite=nonfinite,
-                                  timeout=timeout, found_inf=found_inf)
+                                  timeout=timeout, found_inf=found_inf, problem=problem)
     except DistributedStepError:
         retire(topo.intra, topo.inter, topo.whole)  # work may be pending on them: never reuse
         raise
 
 
 def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, nonfinite,
-                       timeout, found_inf) -> HierarchicalStepStats:
+                       timeout, found_inf, problem) -> HierarchicalStepStats:
     L, N = topo.ranks_per_node, topo.nodes
     tensors = [p for s in segments for p in s.params]
     grads_all = [g for s in segments for g in s.grads]
@@ -434,16 +441,20 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
     flag = stages.nonfinite([grad])
     if found_inf is not None:  # the scaler's check of this rank's own (unscaled) gradients
         flag = flag | (found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
+    flag = (flag != 0).to(torch.int32) | (ABORTED if problem is not None else 0)
     if N > 1:
         flags = torch.empty(N, dtype=torch.int32, device=device)
         collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
-        flag = flags.any().to(torch.int32).view(1)
+        flag = ((flags & NONFINITE).amax() | (flags & ABORTED).amax()).view(1)
         inter += (N - 1) * WORD_BYTES
-    headers = make_header(flag, step)
+    headers = make_header(flag & NONFINITE, step)
+    headers[0:1] |= flag & ABORTED
     if L > 1:
         mine, headers = headers, torch.empty(L * HEADER_WORDS, dtype=torch.int32, device=device)
         collective(HEADERS, step, all_gather, headers, mine, topo.intra, timeout=timeout)
         intra += (L - 1) * HEADER_WORDS * WORD_BYTES
+    # a rank that gave up: every rank knows it now, and raises the same error
+    explain(headers.view(1, -1, HEADER_WORDS), problem, None, [topo.whole], step, timeout)
     if decide(headers):  # raises StepMismatchError alike on every rank
         if nonfinite == "raise" and found_inf is None:
             raise NonFiniteGradientError(
@@ -483,9 +494,12 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
 
     # 6. over all n ranks, once every rank has its aggregate: the step applies everywhere or
     # nowhere (``commit``)
-    _, sent = commit(topo, make_header(torch.zeros(1, dtype=torch.int32, device=device), step),
-                     step, timeout)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    headers, sent = commit(topo, make_header(zero, step, settings_word(0, segments)), step,
+                           timeout)
     inter += sent
+    # ranks that set other lr, betas or weight_decay: the same error everywhere, nothing applied
+    explain(headers, None, segments, [topo.whole], step, timeout)
 
     # the momentum shard, then every parameter (x only: the rank's momentum is its shard)
     update_momentum(rows)
@@ -596,7 +610,7 @@ class OverlapStep:
     in front of its aggregate shard, so every rank of every node sees all n headers."""
 
     def __init__(self, topo: Topology, *, device, mode, votes, backend, step, nonfinite,
-                 streams=None, timeout=None):
+                 streams=None, timeout=None, segments=None):
         self.topo = topo
         check_group_device(dist.group.WORLD, topo.n, torch.device(device))
         # lag one on the topology's groups, also on gloo: issuing each of a bucket's three
@@ -605,7 +619,8 @@ class OverlapStep:
         # interleaved rounds: 673 against 633 ms per step)
         self.ex = Exchange(device=device, mode=mode, votes=votes, group=topo.inter,
                            backend=backend, step=step, nonfinite=nonfinite, streams=streams,
-                           timeout=timeout)
+                           timeout=timeout, segments=segments)
+        self.ex.explainer, self.ex.explain_groups = explain, [topo.whole]  # one error
         self.ex.made_groups += [topo.intra, topo.inter, topo.whole]  # retired on a failure
         self.step, self.mode, self.votes = int(step), mode, votes
         self.intra = self.committed = 0
@@ -623,18 +638,19 @@ class OverlapStep:
         """Issue and wait for the rest of this step's collectives; apply nothing."""
         self.ex.abandon()
 
-    def give_up(self) -> None:
-        """This rank gives the step up (an error of its own): every collective runs as in
-        ``finish``, the commit tells the other ranks (``ABORTED``), nothing is applied."""
+    def give_up(self, problem=None) -> None:
+        """This rank gives the step up (an error of its own, ``problem``): every collective runs
+        as in ``finish``, the commit tells the other ranks (``ABORTED``), nothing is applied;
+        every rank raises the same error (``Exchange.explain``)."""
+        self.ex.problem = problem
         self.ex.finish(agree=self._commit, abort=True)
 
-    def _commit(self, headers, aborted: bool = False) -> torch.Tensor:
-        """``Exchange.finish``'s agree: this rank's own header (flags OR-ed over the buckets,
-        ``ABORTED`` when it gives the step up) through ``commit``, the step's last collective."""
+    def _commit(self, headers, word) -> torch.Tensor:
+        """``Exchange.finish``'s agree: this rank's own header (non-finite flag OR-ed over the
+        buckets, and the exchange's last word: ``ABORTED`` when it gives the step up, the
+        settings digest) through ``commit``, the step's last collective."""
         own = headers[:, self.topo.node * self.topo.ranks_per_node + self.topo.local, :]
-        flags = own[:, 0].amax().view(1)
-        if aborted:
-            flags = flags | ABORTED
+        flags = (own[:, 0] & NONFINITE).amax().view(1) | word
         mine = torch.cat([flags, own[:1, 1]]).to(torch.int32)
         gathered, sent = commit(self.topo, mine, self.step, self.ex.timeout)
         self.committed += sent

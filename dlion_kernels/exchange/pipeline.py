@@ -67,15 +67,25 @@ import torch.distributed as dist
 
 from ..kernels import backends
 from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
+from .checks import DTYPES, check_tensor
 from .collectives import DistributedStepError, collective, gather_into_tensor, group_timeout
 from .collectives import wait as wait_work
 from .groups import cached, new_group, retire
-from .header import HEADER_WORDS, NONFINITE, decide, make_header
+from .header import (
+    HEADER_WORDS,
+    NONFINITE,
+    decide,
+    make_header,
+    settings_differ,
+    settings_word,
+)
 
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
 # the making of the gathers' group (once per group, at its first overlapped step)
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
 COMPANION = "new_group(gathers)"
+# An overlapped step's last collective: one word per rank, after step() has read the settings
+VERDICT = "all_gather(verdict)"
 # A second flag bit of the step header (``header.py``'s word 0, beside ``NONFINITE``): this rank
 # gave up the step after an error of its own (bad input found after buckets were sent, a second
 # backward). Every rank then skips the step; the others raise ``StepAbortedError``.
@@ -318,7 +328,7 @@ class BucketWork:
                 ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
-        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step)
+        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step, settings_word(0, ex.segments))
         if ex.aborted:
             self.send[:, 0] |= ABORTED
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
@@ -432,7 +442,7 @@ class Verdict:
             raise StepAbortedError(self.step, gave_up)
         skipped = False
         for bucket_headers in words:  # raises StepMismatchError alike on every rank
-            skipped |= decide(bucket_headers)
+            skipped |= decide(bucket_headers, self.step)
         if skipped and self.nonfinite == "raise" and not self.scaled:
             raise NonFiniteGradientError(
                 "a gradient holds inf or NaN on at least one rank; nothing was updated on any "
@@ -456,7 +466,7 @@ class Exchange:
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
                  found_inf=None, streams: Streams | None = None, timeout=None,
-                 gather_group=None):
+                 gather_group=None, segments=None, late: bool = False):
         self.group, self.n = resolve_group(group)
         self.poll = gather_group is not None
         self.gather_group = gather_group if self.poll else self.group
@@ -475,6 +485,16 @@ class Exchange:
         self.sent = 0
         self.write_back: list = []
         self.aborted = False  # this rank gave up the step: its later headers say ABORTED
+        self.problem = None  # what made this rank give the step up (its own error)
+        # every param group's settings (``header.settings_word``): in every header, as they
+        # are when the bucket starts, and again at finish
+        self.segments = segments
+        # buckets started before step() (overlap, the DDP hook): the settings may change
+        # between them and step(), so finish gathers one more word per rank (``VERDICT``)
+        self.late = late
+        # how and where the ranks explain a step given up or set apart: ``agree.explain_step``
+        # over these groups (default: the exchange's group), set by the optimizer
+        self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
         self.made_groups = [gather_group] if self.poll else []
 
@@ -500,6 +520,16 @@ class Exchange:
         c = t.contiguous()
         self.write_back.append((t, c))
         return c
+
+    def check_rows(self) -> None:
+        """The gradients that the apply reads again (the momentum update) still fit their
+        parameters: a gradient replaced on this rank between backward and ``step()`` raises
+        ValueError/TypeError here, before the step's last collective (the caller gives the step
+        up, so every rank learns it)."""
+        for w in self.works:
+            for i, r in enumerate(w.rows):
+                if r.grad is not None:
+                    check_tensor("grads", i, r.grad, r.param, DTYPES)
 
     def add(self, rows: list[Row], blocks: int) -> None:
         self.add_work(BucketWork(rows, blocks, self), [r.grad for r in rows])
@@ -551,12 +581,18 @@ class Exchange:
         """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
         resolves ``self.verdict``. ``agree``: None, or a function of the received headers
-        [buckets, n, 2] returning the headers to decide from, [buckets', n', 2] (e.g. gathered
-        from ranks outside this group that must take the same decision: ``sharded.py``); it
-        reads ``self.aborted``. ``abort``: this rank gives up the step (an error of its own):
-        every collective runs as in a normal finish (so every rank's sequence stays matched,
-        and ``agree`` tells the other ranks), nothing is applied here and the verdict is not
-        read (the caller raises its own error)."""
+        [buckets, n, 2] and this rank's last word (an int32 [1] tensor: ``ABORTED`` when it
+        gives the step up, and the settings digest as they are now) returning the headers to
+        decide from, [buckets', n', 2] (gathered from ranks outside this group that must take
+        the same decision: ``sharded.py``, ``hierarchy.py``). Without it, an exchange whose
+        buckets started before ``step()`` (``late``) gathers that word over its group: the
+        step's last collective, after the last thing a rank can find wrong. ``abort``: this
+        rank gives up the step (an error of its own, ``self.problem``): every collective runs
+        as in a normal finish (so every rank's sequence stays matched and the others learn
+        it), and nothing is applied anywhere.
+
+        One decision: a rank that gave the step up, or ranks whose settings differ, make every
+        rank raise the same error (``explain``), read on the host here unless deferred."""
         self.aborted |= abort
         with self._retiring(), self.streams.on_side():
             self._progress(len(self.works), block=True)
@@ -564,18 +600,25 @@ class Exchange:
                 w.wait()
             if self.works:
                 headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
+                word = torch.tensor([settings_word(ABORTED if self.aborted else 0,
+                                                   self.segments)],
+                                    dtype=torch.int32, device=self.device)
                 if agree is not None:
-                    headers = agree(headers, aborted=True) if self.aborted else agree(headers)
+                    headers = agree(headers, word)
+                elif self.late and self.n > 1:
+                    headers = torch.cat([headers, self._verdict_row(word, headers)])
             else:
                 headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
                                       device=self.device)
-            # One device flag for all buckets: any rank's non-finite gradient, or a rank at
-            # another step, skips every apply of every rank.
+            # One device flag for all buckets: any rank's non-finite gradient, a rank that gave
+            # up, a rank at another step or with other settings skips every apply of every rank.
             skip = ((headers[..., 0] & (NONFINITE | ABORTED)).amax()
-                    | (headers[..., 1] != headers[0, 0, 1]).any()).view(1) \
-                if self.works else None
+                    | (headers[..., 1] != headers[0, 0, 1]).any()
+                    | settings_differ(headers[..., 0])).view(1) if self.works else None
             if skip is not None and self.aborted:
                 skip = torch.ones_like(skip)
+        if self.works and not defer:
+            self.explain(headers)  # raises the same error on every rank, before any apply
         self.streams.current_waits_side()
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
@@ -594,6 +637,22 @@ class Exchange:
         return StepStats(self.sent, self.sent, numel, self.n, self.mode, self.votes,
                          self.backend, skipped=skipped, buckets=len(self.works))
 
+    def _verdict_row(self, word, headers) -> torch.Tensor:
+        """Every rank's last ``word`` (``VERDICT``), as one more row of headers [1, n, 2]."""
+        words = torch.empty(self.n, dtype=torch.int32, device=self.device)
+        collective(VERDICT, self.step, all_gather, words, word, self.gather_group,
+                   timeout=self.timeout)
+        self.sent += (self.n - 1) * WORD_BYTES
+        return torch.stack([words, headers[0, :, 1]], dim=-1).view(1, self.n, HEADER_WORDS)
+
+    def explain(self, headers) -> None:
+        """``self.explainer`` (``agree.explain_step``) with this exchange's problem, settings,
+        groups, step and timeout. Without one (the functional API, DiLoCo), nothing here: the
+        verdict raises from the headers alone (``Verdict.resolve``)."""
+        if self.explainer is not None:
+            self.explainer(headers, self.problem, self.segments,
+                           self.explain_groups or [self.group], self.step, self.timeout)
+
 
 def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
                 found_inf=None, streams=None) -> StepStats:
@@ -602,7 +661,7 @@ def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfini
     tensors = [t for s in segments for t in s.params]
     device = tensors[0].device if tensors else torch.device("cpu")
     ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
-                  nonfinite=nonfinite, found_inf=found_inf, streams=streams)
+                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments)
     for blocks, entries in buckets:
         rows = []
         for s, i, off in entries:

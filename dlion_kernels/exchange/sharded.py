@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .collectives import DistributedStepError, collective
 from .groups import cached, new_group, retire
-from .header import HEADER_WORDS
+from .header import HEADER_WORDS, NONFINITE
 from .pipeline import StepStats, all_gather
 
 REPLICATE, SHARD = "replicate", "shard"
@@ -338,11 +338,12 @@ def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
 class ShardAgreement:
     """``Exchange.finish(agree=...)`` for sharded parameters: takes the headers this rank
     received in the replicate exchange ([buckets, N, 2]: flags and step of each replica of its
-    shard), keeps its own (flags OR-ed over buckets, its step; ``pipeline.ABORTED`` added when
-    the exchange gave up the step) and all-gathers that over the whole mesh (``mesh_group``,
-    the step's last collective: module docstring). Returns the n headers ([1, n, 2], mesh ranks
-    in order), from which every rank takes the same decision: skip if any rank flagged a
-    non-finite gradient or gave up, ``StepMismatchError`` if any two ranks differ in step.
+    shard), keeps its own (non-finite flag OR-ed over buckets, its step, and the exchange's last
+    word: ``pipeline.ABORTED`` when it gave up the step, the settings digest) and all-gathers
+    that over the whole mesh (``mesh_group``, the step's last collective: module docstring).
+    Returns the n headers ([1, n, 2], mesh ranks in order), from which every rank takes the
+    same decision: skip if any rank flagged a non-finite gradient or gave up or set other
+    settings, ``StepMismatchError`` if any two ranks differ in step.
     ``sent``: the bytes this rank sent in that gather. A failure in it retires the mesh's group
     (``groups.retire``)."""
 
@@ -351,14 +352,12 @@ class ShardAgreement:
         self.step, self.timeout = step, timeout
         self.sent = 0
 
-    def __call__(self, headers: torch.Tensor, aborted: bool = False) -> torch.Tensor:
-        from .pipeline import ABORTED
-
+    def __call__(self, headers: torch.Tensor, word: torch.Tensor | None = None) -> torch.Tensor:
         me = dist.get_rank(self.sharding.replicate) if self.sharding.replicas > 1 else 0
         own = headers[:, me, :]
-        flags = own[:, 0].amax().view(1) if own.shape[0] else own.new_zeros(1)
-        if aborted:
-            flags = flags | ABORTED
+        flags = (own[:, 0] & NONFINITE).amax().view(1) if own.shape[0] else own.new_zeros(1)
+        if word is not None:
+            flags = flags | word.to(flags.device)  # ABORTED, and the settings as step() reads them
         mine = torch.cat([flags, own[:1, 1]]) if own.shape[0] else \
             torch.tensor([int(flags), self.step], dtype=torch.int32, device=headers.device)
         mine = mine.to(torch.int32).contiguous()

@@ -66,6 +66,16 @@ def _tensors(params) -> list:
         return []
 
 
+def _listed_group(x):
+    """A param group dict whose "params" is a generator, with them as a list (else ``x``)."""
+    if isinstance(x, dict) and not isinstance(x.get("params"), (torch.Tensor, list, tuple)):
+        try:
+            return {**x, "params": list(x["params"])}
+        except TypeError:  # not iterable: torch.optim's own check reports it
+            return x
+    return x
+
+
 def _any_dtensor(params) -> bool:
     return any(sharded.is_dtensor(p) for p in _tensors(params))
 
@@ -196,7 +206,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         heal_momentum: str = "own",
     ):
         if not isinstance(params, torch.Tensor):  # torch refuses a bare tensor itself
-            params = list(params)  # read twice: by torch.optim and by the start check
+            # read twice, by torch.optim and by the start check: a param group's generator too
+            params = [_listed_group(x) for x in params]
         auto = isinstance(hierarchy, str) and hierarchy == "auto"
         # A sharded optimizer given group= finds its mesh by a collective: after the verdict
         late = device_mesh is None and group is not None and _any_dtensor(params)
@@ -435,12 +446,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def _check_reduced_once(self) -> None:
         if not self._reduced_again:
             return
-        self._give_up()  # every rank's collectives stay matched; nothing applied
-        raise RuntimeError(
+        problem = RuntimeError(
             "a second backward() reduced gradients (FSDP2 added them into .grad) whose votes "
             "were already exchanged this step; nothing was updated. Accumulate with FSDP2's "
             "model.set_requires_gradient_sync(False) for every micro-batch but the last, then "
             "zero_grad() and redo this step")
+        self._give_up(problem)  # every rank's collectives stay matched; nothing applied
+        raise problem
 
     def _group(self):
         """The process group of the exchange: the replicate group for FSDP2 parameters."""
@@ -459,12 +471,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         except DistributedStepError:
             self._drop_step()  # a peer failed: the exchange retired the groups it made
             raise
-        except BaseException:
-            if not self._giving_up:  # bad input found in backward: give the step up here
-                self._give_up()
+        except BaseException as e:
+            if not self._giving_up and not getattr(e, "dlion_decided", False):
+                self._give_up(e)  # bad input found in backward: give the step up here
             raise
 
     _giving_up = False
+    _flushed = False  # step() flushed the engine: every bucket of the step has started
 
     def _drain(self) -> None:
         """A second ``backward()`` is being refused: the step stays open (its gradients are
@@ -481,33 +494,47 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._drop_step()  # a peer failed: the exchange retired the groups it made
             raise
 
-    def _give_up(self) -> None:
-        """This rank gives up the step in flight after an error of its own (a second backward,
-        bad input found after buckets were sent, a refused GradScaler): every collective that
-        the other ranks issue for this step is issued here too -- the buckets not started yet
-        are started, with the ``ABORTED`` flag -- and waited for, and nothing is applied. So no
-        collective is left pending on any group, the same or a new optimizer can step next,
-        and the other ranks skip the step too (raising ``StepAbortedError`` when the flag
-        reached them: a bucket was still to start, or FSDP2's agreement). A no-op when nothing
-        of the step was started."""
+    def _give_up(self, problem=None) -> None:
+        """This rank gives up the step in flight after an error of its own (``problem``: a
+        second backward, bad input or a wrong setting found on this rank, a failing closure, a
+        refused GradScaler): every collective that the other ranks issue for this step is
+        issued here too -- the buckets not started yet are started, with the ``ABORTED`` flag,
+        and so is the step's one bucket when nothing was started yet -- and waited for, and
+        nothing is applied. So no collective is left pending on any group, the same or a new
+        optimizer can step next, and every rank skips the step and raises the same error
+        (``Exchange.explain``, here too; marked ``dlion_decided``), or, when the decision is
+        deferred, the others raise ``StepAbortedError`` at their next step."""
         if self._giving_up:
             return
         self._giving_up = True
         try:
-            ex, hs = self._exchange, getattr(self, "_hier_step", None)
-            if ex is not None:
-                ex.aborted = True
-            if hs is not None:
-                hs.ex.aborted = True
-            if (ex is not None or hs is not None) and self._engine is not None:
+            if self.ranks_per_node > 1:
+                hs = getattr(self, "_hier_step", None)
+                if hs is not None:
+                    hs.ex.aborted = True
+                if self._engine is not None and not self._flushed:
+                    self._engine.flush()  # the buckets the others start (given up, no gradient)
+                hs = getattr(self, "_hier_step", None)
+                if hs is not None:
+                    hs.give_up(problem)
+                return
+            ex = self._exchange
+            if ex is None and self._ddp_hooked:
+                return  # DDP's hook starts the buckets: nothing of the step was started
+            ex = self._start_step()
+            ex.aborted, ex.problem = True, problem
+            if self._engine is not None and not self._flushed:
                 self._engine.flush()  # the buckets the others start at their step()
-            ex, hs = self._exchange, getattr(self, "_hier_step", None)
-            if ex is not None:
-                ex.finish(agree=self._agreement, abort=True)
-            if hs is not None:
-                hs.give_up()
+            rest = [p for p in self._trainable() if id(p) not in self._exchanged]
+            if (rest or not ex.works) and not self._ddp_hooked:
+                self._exchange_bucket(rest)  # what step() exchanges after the buckets
+            device = ex.device
+            ex.finish(agree=self._agreement, abort=True, defer=self._defer(device))
         except DistributedStepError:
             raise  # the exchange retired its groups; this step is dropped below
+        except Exception as e:  # the step's one verdict, the same on every rank
+            e.dlion_decided = True
+            raise
         finally:
             self._giving_up = False
             self._drop_step()
@@ -517,6 +544,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         self._exchange = self._agreement = None
         self._hier_step = None
         self._exchanged, self._reduced_again = set(), False
+        self._flushed = False
         if self._engine is not None:
             self._engine.reset()
 
@@ -525,12 +553,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
         if not scaled:
             return
-        # Finish this step's collectives (the same on every rank) and drop them: nothing moves.
-        self._give_up()
-        raise ValueError(
+        problem = ValueError(
             "fp16 GradScaler cannot be combined with overlap=True or the DDP comm hook: the votes "
             "are taken during backward, from still-scaled gradients. Use overlap=False without "
             "the hook, or bf16 autocast (no scaler); nothing was updated")
+        # Finish this step's collectives (the same on every rank) and drop them: nothing moves.
+        if self._exchange is not None or getattr(self, "_hier_step", None) is not None:
+            self._give_up(problem)
+        raise problem
 
     def no_sync(self):
         """Inside it, ``backward()`` only accumulates gradients; nothing is exchanged. For
@@ -554,10 +584,15 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         (parameter id -> its group's index), and the streams. Returns (step counter, device)."""
         self._settle()  # the step counters of the last step, for this step's header
         self._segments, self._group_of = [], {}
+        self._problem = None  # a setting found wrong here: the step is given up (one decision)
         for k, g in enumerate(self.param_groups):
-            beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-            self._segments.append(Segment([], [], [], float(g["lr"]), beta1, beta2,
-                                          float(g["weight_decay"])))
+            try:
+                beta1, beta2 = check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+                settings = float(g["lr"]), beta1, beta2, float(g["weight_decay"])
+            except (TypeError, ValueError) as e:
+                self._problem = self._problem or e
+                settings = 0.0, 0.0, 0.0, 0.0
+            self._segments.append(Segment([], [], [], *settings))
             self._group_of.update((id(p), k) for p in g["params"])
         params = self._trainable()
         step = max((self.state[p].get("step", 0) for p in params), default=0)
@@ -589,10 +624,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                           group, device, step,
                                           family=self._sharding.replicate_family
                                           if self._sharding is not None else None)
-                                      if overlapped else None)
+                                      if overlapped else None,
+                                      segments=self._segments, late=overlapped)
+            self._exchange.explainer = agree.explain_step  # one error on every rank
             self._exchanged = set()
             if self._sharding is not None:
                 self._agreement = sharded.ShardAgreement(self._sharding, step, timeout)
+                # every rank of the mesh raises the same error
+                self._exchange.explain_groups = [self._sharding.replicate, self._sharding.shard]
         return self._exchange
 
     def _exp_avg(self, p):
@@ -626,6 +665,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 self._exchanged.update(ids)
                 return
             try:
+                if self._problem is not None:  # a setting of this step is wrong on this rank
+                    raise self._problem
                 check_tensors(list(params), grads, exp_avgs)
             except (TypeError, ValueError):
                 # bad input on this rank only, found after other buckets may have been sent:
@@ -636,6 +677,35 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             ex.add([ex.row(p, g, m, off, seg) for p, g, m, off, seg
                     in zip(params, grads, exp_avgs, offsets, segments)], blocks)
             self._exchanged.update(ids)
+
+    @staticmethod
+    def _closure(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _defer(self, device) -> bool:
+        """Whether nothing can raise from this step's decision, so it stays on the device (no
+        host sync) until ``_settle``: CUDA with ``nonfinite="skip"`` or a GradScaler."""
+        return (device.type == "cuda" or self._defer_on_cpu) and (
+            self.nonfinite == "skip" or self._found_inf is not None)
+
+    @contextlib.contextmanager
+    def _one_decision(self):
+        """Around the part of a step where this rank may find something wrong on its own (a
+        closure, bad input, a setting): on such an error it gives the step up (``_give_up``),
+        so no collective is left in flight and every rank raises the same error. A peer's
+        failure (``DistributedStepError``) is raised as it is: the exchange retired its groups.
+        """
+        try:
+            yield
+        except DistributedStepError:
+            raise
+        except BaseException as e:
+            if not getattr(e, "dlion_decided", False):  # not already the step's one verdict
+                self._give_up(e)
+            raise
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):
@@ -653,27 +723,33 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if self._exchange is None:
             self._settle()
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         device = next((p.device for g in self.param_groups for p in g["params"]),
                       torch.device("cpu"))
         if self.ranks_per_node > 1 and self.overlap:
+            with self._one_decision():
+                loss = self._closure(closure)
             self.last_stats = self._hierarchical_overlap_step(grad_scaler)
             return loss
         if self.ranks_per_node > 1:
+            problem = None
+            try:  # a closure that fails here: the step runs given up (the others learn it)
+                loss = self._closure(closure)
+            except Exception as e:
+                problem = e
             # fp16 GradScaler: unscaled here, the local overflow flag joins the step's flags
             found_inf = amp.before_exchange(self, grad_scaler, device)
-            self.last_stats = self._hierarchical_step(found_inf)
+            self.last_stats = self._hierarchical_step(found_inf, problem)
             amp.after_exchange(self, grad_scaler, self.last_stats.skipped)
             return loss
         if self._engine is not None or self._ddp_hooked:
             self._refuse_scaler(grad_scaler)
-        self._found_inf = amp.before_exchange(self, grad_scaler, device)
         try:
-            try:
+            with self._one_decision():
+                loss = self._closure(closure)
+                self._found_inf = amp.before_exchange(self, grad_scaler, device)
                 if self._engine is not None:
                     self._engine.flush()  # buckets never made ready this step (unused params)
+                    self._flushed = True
                 self._check_reduced_once()
                 params = self._trainable()
                 rest = [p for p in params if id(p) not in self._exchanged] if self._exchange \
@@ -681,16 +757,11 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 if rest or self._exchange is None:
                     self._exchange_bucket(rest)  # without overlap: the whole step is one bucket
                 self._refresh()
-            except DistributedStepError:
-                raise  # a peer failed: the exchange retired the groups it made
-            except BaseException:
-                self._give_up()  # this rank's own error: no collective left in flight
-                raise
+                if self._exchange.late:  # the gradients the apply reads, changed since backward?
+                    self._exchange.check_rows()
             ex, self._exchange = self._exchange, None
             agreement, self._agreement = self._agreement, None
-            # Nothing can raise from this step's decision: leave it on the device (no host sync)
-            defer = (device.type == "cuda" or self._defer_on_cpu) and (
-                self.nonfinite == "skip" or self._found_inf is not None)
+            defer = self._defer(device)
             stats = ex.finish(defer=defer, agree=agreement)
             if agreement is not None:
                 stats = sharded.step_stats(stats, agreement)
@@ -698,6 +769,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._found_inf = None
             self._exchange = self._agreement = None
             self._exchanged, self._reduced_again = set(), False
+            self._flushed = False
             if self.overlap and self._engine is None and not self._ddp_hooked:
                 self._build_engine()  # a copy's hooks (the next backward records the order)
         self._last_stats = stats
@@ -711,10 +783,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- hierarchy
 
-    def _hierarchical_step(self, found_inf=None) -> StepStats:
+    def _hierarchical_step(self, found_inf=None, problem=None) -> StepStats:
         """The whole step of ``hierarchy=L`` (exchange/hierarchy.py), from ``step()``;
-        ``found_inf``: the GradScaler's local overflow flag (``amp.before_exchange``) or None."""
+        ``found_inf``: the GradScaler's local overflow flag (``amp.before_exchange``) or None;
+        ``problem``: an error of this rank's own found before (a closure's). A problem (or a
+        setting or gradient found wrong here) gives the step up: this rank still takes part in
+        its collectives, with no gradient, and every rank raises the same error."""
         step, _ = self._begin()
+        problem = problem or self._problem
         states = []
         for seg, g in zip(self._segments, self.param_groups):
             seg.params = [p for p in g["params"] if p.requires_grad]
@@ -722,8 +798,14 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             for p in seg.params:
                 states.append(self.state[p])
                 states[-1].setdefault("step", 0)  # the momentum shard comes at the step
-        hier.check_tensors(*[sum((getattr(s, k) for s in self._segments), [])
-                             for k in ("params", "grads")])
+        try:
+            hier.check_tensors(*[sum((getattr(s, k) for s in self._segments), [])
+                                 for k in ("params", "grads")])
+        except (TypeError, ValueError) as e:
+            problem = problem or e
+        if problem is not None:
+            for seg in self._segments:
+                seg.grads = [None] * len(seg.params)
         if getattr(self, "_shard", None) is None:
             self._shard = hier.ShardedMomentum()
         self._shard.states = states  # new dicts after load_state_dict: the shard is rebuilt
@@ -731,7 +813,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._segments, self._shard, ranks_per_node=self.ranks_per_node, mode=self.mode,
             votes=self.votes, group=self.group, backend=self.backend, step=step,
             nonfinite=self.nonfinite, timeout=getattr(self, "timeout", None),
-            found_inf=found_inf)
+            found_inf=found_inf, problem=problem)
         if not stats.skipped:
             for state in states:
                 state["step"] = step + 1
@@ -750,8 +832,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 timeout = getattr(self, "timeout", None)
                 topo = hier.topology(self.group, self.ranks_per_node, timeout)
                 buckets = self._engine.buckets
-                for b in buckets:
-                    hier.check_tensors(b.params, [p.grad for p in b.params])
                 self._hier_layouts = [hier.ShardLayout.build((p.numel() for p in b.params), topo)
                                       for b in buckets]
                 if getattr(self, "_shard", None) is None:
@@ -761,10 +841,24 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                     device)
                 hs = self._hier_step = hier.OverlapStep(
                     topo, device=device, mode=self.mode, votes=self.votes, backend=self.backend,
-                    step=step, nonfinite=self.nonfinite, streams=self._streams, timeout=timeout)
+                    step=step, nonfinite=self.nonfinite, streams=self._streams, timeout=timeout,
+                    segments=self._segments)
             segments = [self._segments[self._group_of[id(p)]] for p in bucket.params]
-            hs.add(bucket.params, [p.grad for p in bucket.params], segments,
-                   self._hier_layouts[bucket.index], self._hier_momentum[bucket.index])
+            if not hs.ex.aborted and not self._giving_up:
+                try:  # each bucket as it starts (the unused ones at step())
+                    hier.check_tensors(bucket.params, [p.grad for p in bucket.params])
+                except (TypeError, ValueError) as e:
+                    self._problem = self._problem or e
+            bad = self._problem is not None and not hs.ex.aborted and not self._giving_up
+            if bad or hs.ex.aborted or self._giving_up:  # given up: its collectives, no gradient
+                hs.ex.aborted = True
+                grads = [None] * len(bucket.params)
+            else:
+                grads = [p.grad for p in bucket.params]
+            hs.add(bucket.params, grads, segments, self._hier_layouts[bucket.index],
+                   self._hier_momentum[bucket.index])
+            if bad:
+                raise self._problem
 
     def _hierarchical_overlap_step(self, grad_scaler) -> StepStats:
         """step() of hierarchy=L with overlap=True: the buckets not started during backward,
@@ -773,21 +867,18 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._build_engine()  # a copy: the buckets are formed from declaration order
         self._refuse_scaler(grad_scaler)
         try:
-            try:
+            with self._one_decision():
                 self._engine.flush()  # buckets never made ready this step (unused parameters)
+                self._flushed = True
                 if getattr(self, "_hier_step", None) is not None:
                     self._refresh()
-            except DistributedStepError:
-                raise  # a peer failed: the exchange retired the groups it made
-            except BaseException:
-                self._give_up()  # this rank's own error: no collective left in flight
-                raise
             hs, self._hier_step = getattr(self, "_hier_step", None), None
             if hs is None:  # no parameter takes part: nothing to exchange or apply
                 return StepStats(0, 0, 0, 1, self.mode, self.votes, "none", buckets=0)
             stats = hs.finish()
         finally:
             self._hier_step = None
+            self._flushed = False
         if not stats.skipped:
             for p in self._trainable():
                 self.state[p]["step"] = hs.step + 1

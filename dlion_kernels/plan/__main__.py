@@ -56,6 +56,21 @@ diloco-* (last, not ranked): per inner step of local-step training, one sync's c
 outer step divided by the H / P inner steps between syncs."""
 
 
+def when_local_steps_pay(fastest, local, sync_every: int) -> str:
+    """One line: how much faster per step the quickest local-step row is than the fastest
+    per-step row, hence how many more steps to a target loss local steps may take and still
+    pay."""
+    quick = min(local, key=lambda r: r.step_ms)
+    ratio = fastest.step_ms / quick.step_ms
+    if ratio <= 1.0:
+        return (f"when local steps pay: not here ({quick.strategy}, the quickest, takes "
+                f"{quick.step_ms:.1f} ms per inner step, no less than {fastest.strategy}'s "
+                f"{fastest.step_ms:.1f} ms per step)")
+    return (f"when local steps pay: {quick.strategy} takes {ratio:.2f}x less time per inner "
+            f"step than {fastest.strategy} per step, so it pays if H = {sync_every} local steps "
+            f"reach the target loss in fewer than {ratio:.2f}x as many steps")
+
+
 def table(rows) -> str:
     """Markdown table of rows (Row objects or dicts)."""
     dicts = [r if isinstance(r, dict) else r.as_dict() for r in rows]
@@ -106,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fwd-ms", type=float, help="forward time per step and rank")
     p.add_argument("--bwd-ms", type=float, help="backward time per step and rank")
     p.add_argument("--opt-ms", type=float, help="one optimizer pass over all parameters "
-                   "(default: 20.5 bytes per parameter at --mem-gbs)")
+                   f"(default: {OPT_BYTES_PER_PARAM:g} bytes per parameter, one fused D-Lion "
+                   "step, at --mem-gbs)")
     p.add_argument("--mem-gbs", type=float, default=1000.0,
                    help="memory bandwidth in GB/s for the default --opt-ms (1000)")
     p.add_argument("--jitter-ms", type=float, help="extra compute delay per rank and step (0)")
@@ -219,6 +235,7 @@ def main(argv=None) -> int:
             f"{r.strategy} {r.step_ms:.1f} ms per inner step" for r in local)
             + f" (local steps, a sync every {args.sync_every} inner steps: a different "
             f"training, compare their loss too)")
+        print(when_local_steps_pay(fastest, local, args.sync_every))
     print(LEGEND)
     return 0
 

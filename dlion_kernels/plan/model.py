@@ -72,7 +72,12 @@ intervals during backward; one communication channel, buckets exchanged in order
   J / sqrt(12) e_n / sqrt(H / P) per inner step, normal (mean 0, sigma J) J e_n / sqrt(H / P),
   e_n the expected maximum of n standard normals (the sums' normal approximation). Times, bytes
   and ``comm_ms`` are per inner step (a sync's divided by H / P); ``options`` gives one sync's
-  (``sync_ms``, ``sync_bytes``).
+  (``sync_ms``, ``sync_bytes``). ``diloco-dlion-ef`` sends what ``diloco-dlion`` sends, and
+  ``diloco-dlion-ef-scale`` adds an all_gather of one fp32 per tensor; their outer pass counts
+  1.5 passes (the residual read and written) and their state the fp32 residual.
+  ``diloco-sparseloco``: an all_gather of every rank's list, the 8-byte header, 8 bytes per
+  tensor and, per kept element (1/64 of them), a 16-bit offset and a 2-bit value; 2 passes
+  (accumulate and top-k, decode).
 
 Every row but the decentralized ones also gives the memory a rank holds for parameters,
 gradients and optimizer state (fp32 momentum, Lion's or D-Lion's; a DDP row's optimizer is
@@ -95,7 +100,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from ..accounting import fsdp_unit_bytes
+from ..accounting import (
+    LOCAL_STEP_BYTES,
+    STEP_BYTES,
+    X_ONLY_APPLY_BYTES,
+    fsdp_unit_bytes,
+)
 from ..kernels.layout import (
     BLOCK,
     HEADER_WORDS,
@@ -113,16 +123,15 @@ JITTER_DISTS = ("uniform", "normal")
 ALGORITHMS = ("auto", "ring", "tree")
 COLLECTIVES = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 
-# Bytes per fp32 element of D-Lion's fused stages (bench_kernels.py): local step 8.125 (reads
-# g and m, writes the votes), tally 0.25 (n = 1), apply 20.125 (reads x, g, m and the aggregate,
-# writes x and m); a whole step 28.5. What splits opt_ms between before the exchange (the local
-# step) and after it (tally and apply).
-LOCAL_FRACTION = 8.125 / 28.5
+# Bytes per fp32 element of D-Lion's fused stages (accounting.py: local step 8.125, tally 0.25,
+# apply 20.125, a whole step 28.5) split opt_ms between before the exchange (the local step)
+# and after it (tally and apply).
+LOCAL_FRACTION = LOCAL_STEP_BYTES / STEP_BYTES
 APPLY_FRACTION = 1.0 - LOCAL_FRACTION
 # Hierarchical D-Lion applies to every element x only (x read and written, the aggregate: 8.125)
 # and updates the momentum of its shard alone (the rest of an apply: g read, m read and written).
-X_ONLY_FRACTION = 8.125 / 28.5
-OPT_BYTES_PER_PARAM = 20.5  # default opt_ms: one fused optimizer pass at mem_gbs
+X_ONLY_FRACTION = X_ONLY_APPLY_BYTES / STEP_BYTES
+OPT_BYTES_PER_PARAM = STEP_BYTES  # default opt_ms: one fused D-Lion step (28.5) at mem_gbs
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$")
@@ -613,36 +622,56 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
 # ----------------------------------------------------------------------------- local steps
 
 
+# DiLoCo's outer steps the model predicts (row ``diloco-<outer>``): the plain 1-bit vote, the
+# fp32 Nesterov step, the vote with error feedback (and a per-tensor scale), SparseLoCo
+DILOCO_OUTERS = ("dlion", "nesterov", "dlion-ef", "dlion-ef-scale", "sparseloco")
+# SparseLoCo's default density (top 64 of every run of 4096 elements) and its passes over the
+# fragment at a sync (the accumulator, top-k and the dense decode of every rank's values): 2
+SPARSELOCO_DENSITY = 64 / 4096
+# the outer pass of the vote with error feedback reads p and writes the residual as well: 1.5
+# optimizer-like passes
+OUTER_PASSES = {"dlion": 1.0, "nesterov": 1.0, "dlion-ef": 1.5, "dlion-ef-scale": 1.5,
+                "sparseloco": 2.0}
+
+
 def _diloco_row(cl, w, outer, H, P, tau):
-    """DiLoCo with a D-Lion or Nesterov outer step (see the module docstring)."""
+    """DiLoCo with one of ``DILOCO_OUTERS`` as the outer step (see the module docstring)."""
     g = Group(cl.n, cl.nodes, cl.L)
     numel, tensors, k = w.d / P, max(1, math.ceil(w.tensors / P)), H // P
     hidden = tau * (w.fwd + w.bwd + w.opt)  # the inner steps the exchange runs behind
-    if outer == "dlion":
+    if outer.startswith("dlion"):
         blocks = math.ceil(numel / BLOCK) + max(0, tensors - 1)
         shard = shard_blocks(blocks, cl.n) if cl.n > 1 else 0
         up = all_to_all(cl, g, (shard * vote_planes("binary") + HEADER_WORDS) * WORD_BYTES)
         down = all_gather(cl, g, shard * aggregate_planes("vote", "binary", cl.n) * WORD_BYTES)
+        if outer == "dlion-ef-scale":  # one fp32 scale per tensor and rank, gathered
+            down = down + all_gather(cl, g, 4 * tensors)
         comm = up + down
         exposed = max(0.0, up.ms - hidden) + up.host_ms + down.ms if tau else comm.ms
+    elif outer == "sparseloco":  # every rank's (16-bit offset, 2-bit value) list, gathered
+        kept = math.ceil(numel * SPARSELOCO_DENSITY)
+        comm = all_gather(cl, g, HEADER_WORDS * WORD_BYTES + 8 * tensors + 2 * kept
+                          + math.ceil(kept / 4))
+        exposed = max(0.0, comm.ms - hidden) + comm.host_ms if tau else comm.ms
     else:
         comm = all_reduce(cl, g, 4 * numel)
         exposed = max(0.0, comm.ms - hidden) + comm.host_ms if tau else comm.ms
     exposed = min(exposed, comm.ms)
-    outer_ms = w.opt / P  # one fused pass over the fragment, as an optimizer step
+    outer_ms = OUTER_PASSES[outer] * w.opt / P  # fused passes over the fragment
     # the slowest rank's k steps of jitter, per inner step (normal approximation of the sums)
     spread = expected_max(cl.n, 1.0, "normal") / math.sqrt(k)
     wait = w.jitter * ((0.5 + spread / math.sqrt(12)) if w.dist == "uniform" else spread)
     compute = w.fwd + w.bwd + w.opt
     step = compute + wait + (exposed + outer_ms) / k
     per = comm.times(1.0 / k)
+    # state: the inner AdamW's two fp32 moments, theta_bar, the outer momentum (SparseLoCo's
+    # accumulator) and error feedback's residual (fp32)
+    state = 8.0 * w.d + w.d * w.param_bytes + 4.0 * w.d + (4.0 * w.d if "-ef" in outer else 0)
     return Row(f"diloco-{outer}", step, compute + outer_ms / k, wait, per.ms, exposed / k,
                per.bytes, per.intra_bytes, per.inter_bytes, 1, comm.algorithm,
                {"kind": "diloco", "outer": outer, "sync_every": H, "fragments": P,
                 "overlap_steps": tau, "sync_ms": comm.ms, "sync_bytes": comm.bytes},
-               # state: the inner AdamW's two fp32 moments, theta_bar, the outer momentum (fp32)
-               w.d * w.param_bytes, w.d * w.grad_bytes,
-               8.0 * w.d + w.d * w.param_bytes + 4.0 * w.d)
+               w.d * w.param_bytes, w.d * w.grad_bytes, state)
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -724,8 +753,9 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     node (default: inter_gbps, as for one process per host); ``latency_us`` /
     ``intra_latency_us``: per message (intra default 5 us, at most latency_us); ``fwd_ms``,
     ``bwd_ms``: compute per step and rank; ``opt_ms``: one optimizer pass over all parameters
-    (default: 20.5 bytes per parameter at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank
-    and step, ``jitter_dist`` 'uniform' on [0, jitter] or 'normal' with that sigma;
+    (default: ``OPT_BYTES_PER_PARAM``, the 28.5 bytes per parameter of one fused D-Lion step,
+    at ``mem_gbs`` GB/s); ``jitter_ms``: extra delay per rank and step, ``jitter_dist``
+    'uniform' on [0, jitter] or 'normal' with that sigma;
     ``topologies``: None = every topology that fits (others are left out), or a list (one that
     does not fit raises ValueError); ``strategies``: keep only these names; ``cpu_gbs``: host
     processing rate per rank for the bytes a collective sends or sums (None: free, as with
@@ -809,7 +839,7 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     if 1 < L:
         rows += [_fsdp_row(cl, w, "allreduce", wire_bytes=b) for b in (4, 2)]
     rows += [_decentralized_row(cl, w, t, gossip_bytes) for t in topos]
-    rows += [_diloco_row(cl, w, outer, H, P, tau) for outer in ("dlion", "nesterov")]
+    rows += [_diloco_row(cl, w, outer, H, P, tau) for outer in DILOCO_OUTERS]
     if strategies is not None:
         wanted = [strategies] if isinstance(strategies, str) else list(strategies)
         names = {r.strategy for r in rows}

@@ -8,10 +8,16 @@ import dlion_kernels as dk
 from dlion_kernels.exchange.header import (
     HEADER_WORDS,
     NONFINITE,
+    SETTINGS_SHIFT,
+    SettingsMismatchError,
     StepMismatchError,
     decide,
     make_header,
+    settings_differ,
+    settings_digest,
+    settings_word,
 )
+from dlion_kernels.exchange.pipeline import ABORTED, Segment
 
 
 def _flag(value):
@@ -57,7 +63,7 @@ def test_decide_same_step():
 
 
 def test_decide_reads_only_the_nonfinite_bit():
-    assert decide(_gathered([2, 5], [4, 5])) is False
+    assert decide(_gathered([2, 5], [0, 5])) is False  # bit 1 (gave up): Exchange.explain's
     assert decide(_gathered([2, 5], [3, 5])) is True
 
 
@@ -90,3 +96,33 @@ def test_steps_that_differ_by_2_31_look_equal():
     """The step word is the step modulo 2**31: documented, not detected."""
     headers = torch.stack([make_header(_flag(0), 3), make_header(_flag(0), 3 + 2**31)])
     assert decide(headers) is False
+
+
+def _segments(lr=1e-2, betas=(0.9, 0.99), wd=0.0, groups=2):
+    return [Segment([], [], [], lr, betas[0], betas[1], wd) for _ in range(groups)]
+
+
+def test_settings_digest_in_word_zero():
+    """Word 0 carries a 29-bit digest of every param group's settings above the two flag bits:
+    any one setting changed gives another digest; the flags stay readable; None gives 0."""
+    base = settings_digest(_segments())
+    assert 0 <= base < 2**29 and settings_digest(None) == 0
+    for other in (_segments(lr=0.5), _segments(betas=(0.9, 0.5)), _segments(wd=0.3),
+                  _segments(groups=1)):
+        assert settings_digest(other) != base
+    word = settings_word(ABORTED, _segments())
+    assert word & ABORTED and not word & NONFINITE and word >> SETTINGS_SHIFT == base
+    header = make_header(_flag(1), 7, settings_word(0, _segments()))
+    assert header.tolist() == [NONFINITE | base << SETTINGS_SHIFT, 7]
+    assert 0 <= int(header[0]) < 2**31  # a non-negative int32
+
+
+def test_settings_that_differ_raise_the_same_error():
+    same = torch.stack([make_header(_flag(0), 3, settings_word(0, _segments()))] * 3)
+    assert not decide(same) and not bool(settings_differ(same[:, 0]))
+    odd = same.clone()
+    odd[2, 0] = settings_word(0, _segments(lr=0.5))
+    assert bool(settings_differ(odd[:, 0]))
+    with pytest.raises(SettingsMismatchError, match=r"ranks \[2\].*nothing was updated"):
+        decide(odd)
+    assert issubclass(SettingsMismatchError, ValueError)

@@ -136,7 +136,7 @@ def _never_waits_worker(rank, n):
             history, opt = _train(rank, entry, log=log, settle=settle,
                                   slow=rank == n - 1 and not settle)
         out[entry, settle] = (history, _steps(log.events), opt.last_stats.buckets,
-                              opt._ddp_hooked or opt._engine is not None)
+                              opt.ddp_hooked if entry == "ddp" else opt.overlap)
     companion = pipeline.companion(None, "cpu", 0)
     return plain, out, dist.get_process_group_ranks(companion), companion is \
         pipeline.companion(dist.group.WORLD, "cpu", 0)
@@ -199,9 +199,10 @@ def test_subgroup_lag_one_and_reordered_group():
             assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
         for events in steps:
             issued = [e[1] for e in events if e[0] == "issue"]
-            # lag one on the one group: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...
+            # lag one on the one group: a2a(0), a2a(1), gather(0), a2a(2), gather(1), ...,
+            # then the overlapped step's verdict word at step()
             expected = [pipeline.A2A] + [pipeline.A2A, pipeline.GATHER] * (buckets - 1) + \
-                [pipeline.GATHER]
+                [pipeline.GATHER, pipeline.VERDICT]
             assert issued == expected, issued
 
 

@@ -43,14 +43,18 @@ class _Fake:
 
 def test_agreement_summary():
     """Headers [buckets, 1, 2] -> this rank's own [1, 1, 2]: its flag OR-ed over the buckets,
-    its step; a rank that gave the step up adds ABORTED; with n = 1 no collective, no bytes."""
+    its step; a rank that gave the step up adds ABORTED (the word the exchange passes); with
+    n = 1 no collective, no bytes."""
     from dlion_kernels.exchange.pipeline import ABORTED
 
     headers = torch.tensor([[[0, 5]], [[NONFINITE, 5]]], dtype=torch.int32)
     agree = sharded.ShardAgreement(_Fake(), step=5)
     assert torch.equal(agree(headers), torch.tensor([[[NONFINITE, 5]]], dtype=torch.int32))
-    assert torch.equal(agree(headers, aborted=True),
+    assert torch.equal(agree(headers, torch.tensor([ABORTED], dtype=torch.int32)),
                        torch.tensor([[[NONFINITE | ABORTED, 5]]], dtype=torch.int32))
+    # the exchange's last word also carries the settings digest (header.py's word 0)
+    assert torch.equal(agree(headers, torch.tensor([4 << 2], dtype=torch.int32)),
+                       torch.tensor([[[NONFINITE | 4 << 2, 5]]], dtype=torch.int32))
     assert agree.sent == 0
 
 

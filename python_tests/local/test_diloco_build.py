@@ -1,4 +1,4 @@
-"""The diloco-* strategies (build.py's DiLoCo builder) on 3 gloo ranks: each slug builds and
+"""The diloco-* strategies (the DiLoCo builder of build/) on 3 gloo ranks: each slug builds and
 trains; between syncs its step calls no collective and counts no bytes; at a sync it counts
 DiLoCo's bytes (D-Lion: 1 bit per parameter each way, Nesterov: a ring all-reduce of fp32);
 evaluation runs on theta_bar, the same on every rank, and puts the local parameters back."""

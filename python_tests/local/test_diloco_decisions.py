@@ -11,6 +11,7 @@ afterwards the same groups still sync.
 
 import torch
 import torch.distributed as dist
+from decisions import check_cases, outcome
 from test_diloco import _inner, _inner_step, _model
 from test_diloco_fsdp import _fsdp
 from test_diloco_fsdp import _inner_step as _fsdp_inner_step
@@ -21,15 +22,6 @@ from dlion_kernels.local.diloco import DiLoCo
 
 H = 2
 BOUND = 30  # seconds: every wait of the verdict (the object's timeout=)
-
-
-def _outcome(fn):
-    """('ok', None) or (exception type name, message); never lets an exception out."""
-    try:
-        fn()
-        return ("ok", None)
-    except (ValueError, TypeError, RuntimeError) as e:
-        return (type(e).__name__, str(e))
 
 
 def _theta(d):
@@ -50,7 +42,7 @@ def _load_case(build, step, rank, odd_rank, change):
     sd = d.state_dict()
     before = (d.inner_step, _theta(d))
     loaded = change(sd) if rank == odd_rank else sd
-    result = _outcome(lambda: d.load_state_dict(loaded))
+    result = outcome(lambda: d.load_state_dict(loaded))
     return result, before[0] == d.inner_step and _same(before[1], _theta(d))
 
 
@@ -70,7 +62,7 @@ def _resume_case(build, step, rank, odd_rank):
         d.step()
     step(net, inner, rank, 2 * H)
     before = (_theta(d), [sharded.local(p).detach().clone() for p in net.parameters()])
-    result = _outcome(d.step)
+    result = outcome(d.step)
     after = (_theta(d), [sharded.local(p).detach().clone() for p in net.parameters()])
     unchanged = _same(before[0], after[0]) and _same(before[1], after[1])
     return result, unchanged and d.inner_step == start + H - 1
@@ -100,9 +92,9 @@ def _worker(rank, n):
         return net, inner, DiLoCo(net, inner, sync_every=sync_every, outer=outer,
                                   **{**kw, **extra})
 
-    out["sync_every"] = _outcome(lambda: plain(4 if rank == 3 else 2))
-    out["bad fragments"] = _outcome(lambda: plain(fragments=3 if rank == 3 else 1))
-    out["weights"] = _outcome(lambda: plain(perturb=rank == 1))
+    out["sync_every"] = outcome(lambda: plain(4 if rank == 3 else 2))
+    out["bad fragments"] = outcome(lambda: plain(fragments=3 if rank == 3 else 1))
+    out["weights"] = outcome(lambda: plain(perturb=rank == 1))
     out["load step"] = _load_case(plain, _inner_step, rank, 2,
                                   lambda sd: _with(sd, inner_step=sd["inner_step"] + 2))
     out["load theta"] = _load_case(
@@ -125,10 +117,10 @@ def _worker(rank, n):
         return net, inner, DiLoCo(net, inner, sync_every=sync_every, outer=outer,
                                   **{**kw, **where, **extra})
 
-    out["fsdp sync_every"] = _outcome(lambda: fsdp(4 if rank == 3 else 2, outer="dlion"))
-    out["fsdp bad alpha"] = _outcome(lambda: fsdp(merge_alpha=2.0 if rank == 3 else 0.5))
-    out["fsdp weights"] = _outcome(lambda: fsdp(perturb=rank == 2))
-    out["fsdp group="] = _outcome(
+    out["fsdp sync_every"] = outcome(lambda: fsdp(4 if rank == 3 else 2, outer="dlion"))
+    out["fsdp bad alpha"] = outcome(lambda: fsdp(merge_alpha=2.0 if rank == 3 else 0.5))
+    out["fsdp weights"] = outcome(lambda: fsdp(perturb=rank == 2))
+    out["fsdp group="] = outcome(
         lambda: fsdp(4 if rank == 1 else 2, where=dict(group=replicate)))
     out["fsdp load step"] = _load_case(fsdp, _fsdp_inner_step, rank, 3,
                                        lambda sd: _with(sd, inner_step=sd["inner_step"] + 2))
@@ -178,17 +170,7 @@ EXPECTED = {  # case: (error type, what every message names)
 
 def test_one_decision_on_every_rank():
     ranks = run_workers(4, _worker, timeout=600)
-    for case, (kind, words) in EXPECTED.items():
-        got = [r[case] for r in ranks]
-        if isinstance(got[0][0], tuple):  # (outcome, unchanged on this rank)
-            assert all(unchanged for _, unchanged in got), (case, got)
-            got = [result for result, _ in got]
-        assert {k for k, _ in got} == {kind}, (case, got)  # never a DistributedStepError
-        messages = {m for _, m in got}
-        assert len(messages) == 1, (case, got)  # the same error on every rank
-        message = messages.pop()
-        for word in words:
-            assert word in message, (case, word, message)
+    check_cases(ranks, EXPECTED)  # the same error everywhere; load cases: nothing loaded
     for r in range(4):
         assert _same(ranks[r]["plain after"], ranks[0]["plain after"])
         assert _same(ranks[r]["fsdp after"], ranks[r ^ 2]["fsdp after"])  # replicas of a shard

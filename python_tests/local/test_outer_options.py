@@ -11,17 +11,24 @@ import math
 
 import pytest
 import torch
-from test_diloco import LR, _inner_step, _model, _Recorder, check_outer_step
+from outer_runs import (
+    BETAS,
+    WD,
+    H,
+    check_resumes_exact,
+    inner_optimizer,
+    resumed_runs,
+    run,
+)
+from test_diloco import LR, _inner_step, _model, check_outer_step
 from workers import run_workers
 
-from dlion_kernels.exchange.pipeline import NonFiniteGradientError
 from dlion_kernels.kernels.layout import HEADER_WORDS, aggregate_planes, block_offsets
 from dlion_kernels.local import fragments as frag
 from dlion_kernels.local.diloco import DiLoCo
 from dlion_kernels.local.outer_options import DLionOuterOptions, SparseLoCoOptions
 
-N, H, STEPS = 3, 3, 7
-WD, BETAS = 0.1, (0.9, 0.99)
+N, STEPS = 3, 7
 
 # name -> DiLoCo keywords (every one with outer="dlion")
 CONFIGS = {
@@ -36,76 +43,6 @@ CONFIGS = {
     "ef-scale-fragments": dict(outer_options=DLionOuterOptions(error_feedback=True, scale=True),
                                outer_lr=0.5, fragments=3, sync_every=6),
 }
-
-
-def _inner(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def snap(model, diloco):
-    """(params, theta_bar, momenta, residuals) per tensor; residuals None without them."""
-    runner = diloco._options
-    residual = None
-    if runner is not None and getattr(runner, "residual", None) is not None \
-            and runner.residual[0] is not None:
-        residual = [v.clone() for f in diloco._fragments for v in
-                    f.views(runner.residual[f.index])]
-    return ([p.detach().clone() for p in model.parameters()],
-            [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta],
-            residual)
-
-
-def run(rank, n, steps, poison=None, **kwargs):
-    """``steps`` inner steps; per step the snapshots around ``diloco.step()``, its stats, the
-    bytes the recorder counted and the error it raised (then the run stops). ``poison``: (step,
-    rank) whose parameters turn NaN before that step's ``diloco.step()``."""
-    kwargs.setdefault("sync_every", H)
-    model = _model()
-    inner = _inner(model)
-    diloco = DiLoCo(model, inner, outer_weight_decay=kwargs.pop("outer_weight_decay", WD),
-                    outer_betas=BETAS, **kwargs)
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    records = []
-    for t in range(1, steps + 1):
-        _inner_step(model, inner, rank, t)
-        if poison is not None and poison == (t, rank):
-            with torch.no_grad():
-                next(model.parameters())[0, 0] = float("nan")
-        before = snap(model, diloco)
-        error, stats = None, None
-        with _Recorder(n) as rec:
-            try:
-                stats = diloco.step()
-            except NonFiniteGradientError as e:
-                error = str(e)
-        records.append(dict(before=before, after=snap(model, diloco), stats=stats,
-                            counted=rec.sent, error=error))
-        if error:
-            break
-    fragments = [[index[id(p)] for p in ps] for ps in diloco.fragment_params]
-    return dict(records=records, fragments=fragments, keys=sorted(diloco.state_dict()))
-
-
-def resume_run(rank, n, steps, save_at, **kwargs):
-    """The final snapshot of ``steps`` inner steps, the DiLoCo rebuilt on a fresh model from
-    the checkpoint of step ``save_at`` (model, inner optimizer, DiLoCo), or never (None)."""
-    def build():
-        model = _model()
-        inner = _inner(model)
-        return model, inner, DiLoCo(model, inner, outer_betas=BETAS, outer_weight_decay=WD,
-                                    **kwargs)
-
-    model, inner, diloco = build()
-    for t in range(1, steps + 1):
-        _inner_step(model, inner, rank, t)
-        diloco.step()
-        if t == save_at:
-            saved = copy.deepcopy((model.state_dict(), inner.state_dict(), diloco.state_dict()))
-            model, inner, diloco = build()
-            model.load_state_dict(saved[0])
-            inner.load_state_dict(saved[1])
-            diloco.load_state_dict(saved[2])
-    return snap(model, diloco)
 
 
 # ----------------------------------------------------------------------------- references
@@ -194,14 +131,11 @@ def _worker(rank, n):
     on = dict(outer_options=DLionOuterOptions(error_feedback=True, scale=True), outer_lr=0.5)
     out["nan-raise"] = run(rank, n, STEPS, poison=(3, 1), **on)
     out["nan-skip"] = run(rank, n, STEPS, poison=(3, 1), nonfinite="skip", **on)
-    resume = {}
-    for name, kw, points in [
-            ("ef-scale", dict(on, sync_every=4), (2, 4)),
-            ("ef-threshold", dict(outer_options=DLionOuterOptions(True, False, 0.5),
-                                  votes="ternary", outer_lr=2e-2, sync_every=4), (2, 4)),
-            ("ef-scale-overlap", dict(on, sync_every=4, overlap_steps=1), (4, 5))]:
-        resume[name] = [resume_run(rank, n, 10, at, **kw) for at in (None,) + points]
-    out["resume"] = resume
+    out["resume"] = resumed_runs(rank, n, [
+        ("ef-scale", dict(on, sync_every=4), (2, 4)),
+        ("ef-threshold", dict(outer_options=DLionOuterOptions(True, False, 0.5),
+                              votes="ternary", outer_lr=2e-2, sync_every=4), (2, 4)),
+        ("ef-scale-overlap", dict(on, sync_every=4, overlap_steps=1), (4, 5))])
     return out
 
 
@@ -286,11 +220,9 @@ def test_nonfinite_raises_or_skips_on_every_rank_with_nothing_changed(ranks):
 @pytest.mark.parametrize("name", ["ef-scale", "ef-threshold", "ef-scale-overlap"])
 def test_resume_is_exact(ranks, name):
     for rank in ranks:
-        whole, *resumed = rank["resume"][name]
+        whole = rank["resume"][name][0]
         assert whole[3] is not None and any(bool((e != 0).any()) for e in whole[3])
-        for other in resumed:
-            for k in range(4):
-                assert all(torch.equal(x, y) for x, y in zip(whole[k], other[k])), (name, k)
+    check_resumes_exact(ranks, name, parts=4)  # params, theta_bar, momenta, residuals
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -298,7 +230,7 @@ def test_resume_is_exact(ranks, name):
 
 def _single(**kwargs):
     model = _model()
-    inner = _inner(model)
+    inner = inner_optimizer(model)
     return model, inner, DiLoCo(model, inner, sync_every=2, **kwargs)
 
 

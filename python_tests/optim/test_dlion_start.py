@@ -9,6 +9,7 @@ process group still steps (the verdict left nothing pending).
 
 import torch
 import torch.distributed as dist
+from decisions import check_cases, outcome
 from torch import nn
 from workers import run_workers
 
@@ -53,15 +54,6 @@ def _train(net, opt, rank, steps):
         opt.step()
 
 
-def _outcome(fn):
-    """('ok', None) or (exception type name, message); never lets an exception out."""
-    try:
-        fn()
-        return ("ok", None)
-    except (ValueError, TypeError, RuntimeError) as e:
-        return (type(e).__name__, str(e))
-
-
 def _snapshot(opt):
     out = []
     for p in [p for g in opt.param_groups for p in g["params"]]:
@@ -93,7 +85,7 @@ def _load_case(build, rank, odd_rank, change):
     sd = opt.state_dict()
     before = _snapshot(opt)
     loaded = change(sd) if rank == odd_rank else _with_step(sd, 2)
-    result = _outcome(lambda: opt.load_state_dict(loaded))
+    result = outcome(lambda: opt.load_state_dict(loaded))
     return result, _same_snapshot(before, _snapshot(opt))
 
 
@@ -108,13 +100,13 @@ def _worker(rank, n):
         return net, dk.DistributedLion(net.parameters(), **{**kw, **extra})
 
     # flat, 4 ranks
-    out["flat other lr"] = _outcome(lambda: flat(lr=1e-3 if rank == 3 else 1e-2))
-    out["flat bad mode"] = _outcome(lambda: flat(mode="bogus" if rank == 3 else "vote"))
-    out["flat bad timeout"] = _outcome(lambda: flat(timeout=-1 if rank == 0 else BOUND))
-    out["flat weights"] = _outcome(lambda: flat(seed=2 if rank == 1 else 1))
-    out["flat bucket_mb"] = _outcome(lambda: flat(overlap=True,
+    out["flat other lr"] = outcome(lambda: flat(lr=1e-3 if rank == 3 else 1e-2))
+    out["flat bad mode"] = outcome(lambda: flat(mode="bogus" if rank == 3 else "vote"))
+    out["flat bad timeout"] = outcome(lambda: flat(timeout=-1 if rank == 0 else BOUND))
+    out["flat weights"] = outcome(lambda: flat(seed=2 if rank == 1 else 1))
+    out["flat bucket_mb"] = outcome(lambda: flat(overlap=True,
                                                   bucket_mb=1.0 if rank == 2 else 25.0))
-    out["hierarchy weights"] = _outcome(lambda: flat(seed=2 if rank == 3 else 1, hierarchy=2))
+    out["hierarchy weights"] = outcome(lambda: flat(seed=2 if rank == 3 else 1, hierarchy=2))
     out["flat load step"] = _load_case(flat, rank, 2, lambda sd: _with_step(sd, 1))
     out["flat load broken"] = _load_case(
         flat, rank, 0, lambda sd: {"state": sd["state"], "param_groups": []})
@@ -127,12 +119,12 @@ def _worker(rank, n):
         where = dict(device_mesh=mesh) if mesh_kw is None else mesh_kw
         return net, dk.DistributedLion(net.parameters(), **{**kw, **where, **extra})
 
-    out["fsdp other wd"] = _outcome(lambda: fsdp(weight_decay=0.1 if rank == 3 else 0.0))
-    out["fsdp bad votes"] = _outcome(lambda: fsdp(votes="many" if rank == 1 else "binary"))
-    out["fsdp weights"] = _outcome(lambda: fsdp(seed=2 if rank == 2 else 1))
-    out["fsdp group= weights"] = _outcome(
+    out["fsdp other wd"] = outcome(lambda: fsdp(weight_decay=0.1 if rank == 3 else 0.0))
+    out["fsdp bad votes"] = outcome(lambda: fsdp(votes="many" if rank == 1 else "binary"))
+    out["fsdp weights"] = outcome(lambda: fsdp(seed=2 if rank == 2 else 1))
+    out["fsdp group= weights"] = outcome(
         lambda: fsdp(seed=2 if rank == 3 else 1, mesh_kw=dict(group=replicate)))
-    out["fsdp hierarchy"] = _outcome(lambda: fsdp(hierarchy=2 if rank == 0 else None))
+    out["fsdp hierarchy"] = outcome(lambda: fsdp(hierarchy=2 if rank == 0 else None))
     out["fsdp load step"] = _load_case(fsdp, rank, 3, lambda sd: _with_step(sd, 7))
     # after every refusal, the same groups still work: a good optimizer on each path steps
     net, opt = flat()
@@ -168,18 +160,7 @@ EXPECTED = {  # case: (error type, what every message names)
 
 def test_one_decision_on_every_rank():
     ranks = run_workers(4, _worker, timeout=600)
-    for case, (kind, words) in EXPECTED.items():
-        got = [r[case] for r in ranks]
-        if case.endswith(("load step", "load broken")):
-            assert all(unchanged for _, unchanged in got), case  # nothing loaded anywhere
-            got = [result for result, _ in got]
-        kinds = {k for k, _ in got}
-        messages = {m for _, m in got}
-        assert kinds == {kind}, (case, got)  # never DistributedStepError: no rank waited out
-        assert len(messages) == 1, (case, got)  # the same error on every rank
-        message = messages.pop()
-        for word in words:
-            assert word in message, (case, word, message)
+    check_cases(ranks, EXPECTED)  # the same error everywhere; load cases: nothing loaded
     for key in ("flat after", "fsdp after"):
         for r in range(4):  # replicas bit-identical after a step
             peer = r ^ 2 if key == "fsdp after" else 0

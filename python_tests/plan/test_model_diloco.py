@@ -119,12 +119,53 @@ def test_choose_strategy_and_cli_consider_them(capsys):
                  "--bwd-ms", "60", "--sync-every", "32", "--fragments", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     table = [x.split(" | ")[0].lstrip("| ") for x in lines if x.startswith("| ")][2:]
-    assert table[-2:] == ["diloco-dlion", "diloco-nesterov"]  # last: not ranked
+    local = set(table[-len(model.DILOCO_OUTERS):])  # last: not ranked
+    assert local == {f"diloco-{o}" for o in model.DILOCO_OUTERS}
+    assert table[-1] == "diloco-nesterov"  # the slowest of them on this slow link
     assert next(x for x in lines if x.startswith("fastest: ")).startswith(
         "fastest: dlion-vote-overlap (")
     ranked_not = next(x for x in lines if x.startswith("not ranked: "))
     assert "diloco-dlion" in ranked_not and "per inner step" in ranked_not
     assert "sync every 32 inner steps" in ranked_not
+    pays = next(x for x in lines if x.startswith("when local steps pay: "))
+    quick = min((r for r in out["rows"] if r["strategy"].startswith("diloco-")),
+                key=lambda r: r["step_ms"])
+    ratio = rows["dlion-vote-overlap"]["step_ms"] / quick["step_ms"]
+    assert f"{quick['strategy']} takes {ratio:.2f}x less time" in pays
+    assert f"fewer than {ratio:.2f}x as many steps" in pays and "H = 32" in pays
+
+
+def test_local_steps_do_not_pay_on_a_fast_link(capsys):
+    assert main(["--params", "1M", "--ranks", "4", "--inter-gbps", "1000", "--fwd-ms", "30",
+                 "--bwd-ms", "60", "--sync-every", "8", "--jitter-ms", "20"]) == 0
+    pays = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("when local steps pay: "))
+    assert pays.startswith("when local steps pay: not here (")
+
+
+@pytest.mark.parametrize("H, P", [(8, 1), (32, 4)])
+def test_outer_option_rows_hand_computed(H, P):
+    """diloco-dlion-ef sends diloco-dlion's bytes, -ef-scale adds one fp32 per tensor gathered;
+    SparseLoCo gathers (header, 8 bytes per tensor, 2 bytes + 2 bits per kept element); outer
+    passes 1.5 (error feedback) and 2 (SparseLoCo); the residual adds 4 bytes per element."""
+    T = 40
+    rows = _rows(sync_every=H, fragments=P, tensors=T)
+    k, t = H // P, math.ceil(T / P)
+    dl, ef, efs, sl = (rows[f"diloco-{o}"] for o in ("dlion", "dlion-ef", "dlion-ef-scale",
+                                                     "sparseloco"))
+    assert ef.options["sync_bytes"] == pytest.approx(dl.options["sync_bytes"])
+    assert efs.options["sync_bytes"] == pytest.approx(dl.options["sync_bytes"] + (N - 1) * 4 * t)
+    kept = math.ceil(D / P * 64 / 4096)
+    payload = HEADER_WORDS * WORD_BYTES + 8 * t + 2 * kept + math.ceil(kept / 4)
+    assert sl.options["sync_bytes"] == pytest.approx((N - 1) * payload)
+    assert sl.bytes_per_rank == pytest.approx((N - 1) * payload / k)
+    outer = COMPUTE["opt_ms"] / P
+    assert ef.step_ms == pytest.approx(34.0 + (ef.options["sync_ms"] + 1.5 * outer) / k)
+    assert sl.step_ms == pytest.approx(34.0 + (sl.options["sync_ms"] + 2.0 * outer) / k)
+    assert ef.memory_bytes_per_rank == pytest.approx(dl.memory_bytes_per_rank + 4 * D)
+    assert sl.memory_bytes_per_rank == pytest.approx(dl.memory_bytes_per_rank)
+    # SparseLoCo's list to each of the 3 peers: about 18 bits per 64 elements
+    assert sl.options["sync_bytes"] < dl.options["sync_bytes"]
 
 
 def test_best_ranks_only_per_step_rows():

@@ -1,0 +1,39 @@
+"""The process groups and the device mesh the builders create: every rank creates every one
+once per default group, in the same order (``dist.new_group`` is collective), with the job's
+timeout (``exchange/groups.py``)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..exchange import groups
+
+
+def cached(what, make):
+    """``make()`` once per default group (``what`` names it), then the same object."""
+    return groups.cached("build", None, make, what)
+
+
+def solo_group():
+    """A group of this rank alone (None on a one-rank job: the default group is one)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return None
+    return cached("solo", lambda: [groups.new_group([r]) for r in range(n)][rank])
+
+
+def node_groups(L: int):
+    """(this rank's node of L consecutive ranks, its group of same-local-rank peers)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    return cached(("nodes", L), lambda: (
+        [groups.new_group(range(s, s + L)) for s in range(0, n, L)][rank // L],
+        [groups.new_group(range(j, n, L)) for j in range(L)][rank % L]))
+
+
+def fsdp_mesh(L: int, device_type: str):
+    """The (N replicas x L shards) device mesh, dims "replicate" and "shard"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = dist.get_world_size()
+    return cached(("mesh", L, device_type), lambda: init_device_mesh(
+        device_type, (n // L, L), mesh_dim_names=("replicate", "shard")))

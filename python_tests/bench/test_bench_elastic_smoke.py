@@ -1,0 +1,41 @@
+"""bench_elastic.py --smoke runs to the end and writes its results (pytest -m bench): torchft's
+Manager with an fp32 all-reduce and dk.DistributedLion(manager=) through the same kill and
+restart, 3 replicas on this machine's loopback, a tiny MLP."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dlion_kernels.kernels.layout import HEADER_WORDS, num_blocks, shard_blocks
+
+pytest.importorskip("torchft")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.bench
+
+
+def test_bench_elastic_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_elastic.py"),
+                           "--smoke", "--no-plot", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "summary.md").exists()
+    data = json.loads((tmp_path / "elastic.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"torchft-allreduce", "dk-dlion"}
+    d = 64 * 128 * 2 + 128 + 64  # the smoke MLP
+    for r in rows.values():
+        assert "failed" not in r, r
+        assert r["steps_lost"] == 1  # the step in flight at the kill, nothing more
+        assert r["heal_s"] > 0 and r["first_vote_step"] > 6
+        assert r["final_step"] >= 12
+    # fp32 ring all-reduce against 1 bit per parameter each way (32-element words, a 2-word
+    # header per all_to_all chunk), n = 3 replicas
+    assert rows["torchft-allreduce"]["bytes_per_step_3"] == round(2 * 2 / 3 * 4 * d)
+    shard = shard_blocks(sum(num_blocks(k) for k in (64 * 128, 128, 128 * 64, 64)), 3)
+    assert rows["dk-dlion"]["bytes_per_step_3"] == 4 * 2 * (HEADER_WORDS + 2 * shard)
+    assert rows["dk-dlion"]["bytes_per_step_2"] == 4 * 1 * (HEADER_WORDS + 2 * shard_blocks(
+        sum(num_blocks(k) for k in (64 * 128, 128, 128 * 64, 64)), 2))
