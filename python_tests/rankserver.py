@@ -117,9 +117,12 @@ def _serve(conn, preload):
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            _, n, job, payload = conn.recv()
+            msg = conn.recv()
         except (EOFError, OSError):
             os._exit(0)
+        if msg[0] != "run":  # a ("kill",) that crossed the end of the last run: nothing to kill
+            continue
+        _, n, job, payload = msg
         live = {}  # pidfd -> (rank, pid)
         for rank in range(n):
             pid = os.fork()
@@ -328,8 +331,17 @@ def run_bare(n: int, fn, *args, done, deadline: float) -> dict:
                 if msg is None or msg[0] != "ready":
                     raise RuntimeError(f"the rank server did not start: {msg!r}")
                 server.ready = True
-            server.conn.send(("run", n, job, payload))
-            msg = server.recv(_GRACE)
+            for _ in range(2):  # a server that died between two runs is replaced once
+                try:
+                    server.conn.send(("run", n, job, payload))
+                    msg = server.recv(_GRACE)
+                except OSError:
+                    msg = None
+                if msg is not None or server.proc.is_alive():
+                    break
+                server = _get_server()
+                msg = server.recv(600.0)  # its imports
+                server.ready = msg is not None and msg[0] == "ready"
             if msg is None or msg[0] != "started":
                 raise RuntimeError(f"the rank server did not start the ranks ({msg!r})")
             while len(codes) < n and not done() and time.monotonic() < end:
