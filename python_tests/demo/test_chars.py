@@ -65,13 +65,16 @@ def test_chars_trains_and_reports(demo_run):
     assert vote["bytes_per_step"] == _dlion_bytes(numels, N, "vote")
     assert average["bytes_per_step"] == _dlion_bytes(numels, N, "average")
     assert 25 * vote["bytes_per_step"] < fp32 <= 32 * vote["bytes_per_step"]
-    # overlap is bit-identical to the step without it; each bucket of 0.125 MB past the first
-    # adds a header and up to a word of padding per plane and peer (one bucket at this size)
+    # overlap is bit-identical to the step without it; it adds the verdict word per peer (the
+    # headers leave during backward, so step() gathers one more word that every rank applies the
+    # same step), and each bucket of 0.125 MB past the first adds a header and up to a word of
+    # padding per plane and peer (one bucket at this size)
     overlap = rows["dlion-vote-overlap"]
     assert overlap["val_loss"] == vote["val_loss"]
     buckets = math.ceil(4 * d / (chars.BUCKET_MB * 2**20))
     extra = overlap["bytes_per_step"] - vote["bytes_per_step"]
-    assert 0 <= extra <= (buckets - 1) * (N - 1) * 4 * (HEADER_WORDS + 2)
+    verdict = 4 * (N - 1)
+    assert verdict <= extra <= verdict + (buckets - 1) * (N - 1) * 4 * (HEADER_WORDS + 2)
     # the synchronous strategies keep every rank identical all along
     for name in STRATEGIES[:4]:
         assert not rows[name]["ranks_differ"], name
