@@ -282,7 +282,7 @@ def main(argv=None):
     if args.steps % args.sync_every:
         ap.error("--steps must be a multiple of --sync-every (the loss is read after a sync)")
     if args.dlion_lr is None:
-        from dlion_kernels.local.diloco import DEFAULT_OUTER_LR
+        from dlion_kernels.local_steps.diloco import DEFAULT_OUTER_LR
 
         args.dlion_lr = DEFAULT_OUTER_LR["dlion"]
     skipped = {}

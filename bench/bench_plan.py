@@ -101,7 +101,7 @@ def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
 
     Variants are strategy slugs, or the variant keys of older files (``ddp_fp32``,
     ``dec_ring``, ...: ``strategies.resolve``); each is validated against its strategy's
-    runtime-model row. Compute comes from the same configuration's ``dlion-local`` variant
+    runtime-model row. Compute comes from the same configuration's ``dlion-no-comm`` variant
     (``no_comm`` before; the step with a local tally instead of the exchange): its median fwd,
     bwd and opt phases, and its median rank's step time, whose excess over the phases and the
     modelled jitter wait (zeroing gradients, the loop) is added to fwd. The link rate is the
@@ -129,7 +129,7 @@ def from_training(doc: dict, compute: str = "no-comm") -> list[dict]:
     def key(r):
         return (r["n"], r["ranks_per_node"], r["rate_gbps"], r["batch"], r["jitter_ms"],
                 r["bucket_mb"], r["sweep"])
-    no_comm = {key(r): r for r in ok if strategies.resolve(r["variant"]).slug == "dlion-local"}
+    no_comm = {key(r): r for r in ok if strategies.resolve(r["variant"]).slug == "dlion-no-comm"}
     for r in ok:
         strategy = strategies.resolve(r["variant"]).row  # None: not modelled
         nc = no_comm.get(key(r)) or next(

@@ -11,7 +11,7 @@ slugs; the legacy variant keys in brackets are accepted too), built on each rank
 ``bucket_mb``. By default:
 
 ======================================  ============================================================
-``dlion-local`` [no_comm]               D-Lion with its exchange replaced by a local tally on a
+``dlion-no-comm`` [no_comm]               D-Lion with its exchange replaced by a local tally on a
                                         one-rank group: T_no_comm, the step without communication
 ``lion-allreduce`` [ddp_fp32]           DDP, its default overlapped fp32 all-reduce, then Lion
 ``lion-allreduce-fp16`` [ddp_fp16]      DDP + ``fp16_compress_hook``, then Lion
@@ -75,15 +75,15 @@ from dlion_kernels import strategies  # noqa: E402
 
 WORKER = os.path.join(common.BENCH_DIR, "training_worker.py")  # one rank of a configuration
 
-VARIANTS = ["dlion-local", "lion-allreduce", "lion-allreduce-fp16", "lion-allreduce-bf16",
+VARIANTS = ["dlion-no-comm", "lion-allreduce", "lion-allreduce-fp16", "lion-allreduce-bf16",
             "dlion-vote", "dlion-vote-overlap", "dlion-vote-ddp-hook", "dlion-vote-hier",
             "dlion-vote-hier-overlap", "lion-allreduce-hier", "decentralized-ring-accum-adamw",
             "decentralized-one-peer-exp-accum-adamw",
             "decentralized-alternating-exp-ring-accum-adamw"]
-HIER_VARIANTS = ["dlion-local", "lion-allreduce", "dlion-vote", "dlion-vote-overlap",
+HIER_VARIANTS = ["dlion-no-comm", "lion-allreduce", "dlion-vote", "dlion-vote-overlap",
                  "dlion-vote-hier", "dlion-vote-hier-overlap", "lion-allreduce-hier",
                  "decentralized-alternating-exp-ring-accum-adamw"]
-NO_COMM, DLION, DDP_FP32 = "dlion-local", "dlion-vote", "lion-allreduce"  # the references
+NO_COMM, DLION, DDP_FP32 = "dlion-no-comm", "dlion-vote", "lion-allreduce"  # the references
 BATCH_SWEEP_VARIANTS = [NO_COMM, DDP_FP32, "lion-allreduce-fp16", "lion-allreduce-bf16", DLION,
                         "dlion-vote-overlap"]
 BUCKET_SWEEP_VARIANTS = [DDP_FP32, "dlion-vote-overlap", "dlion-vote-ddp-hook"]
@@ -110,10 +110,10 @@ ROW_SCHEMA = {
     "own_fwd_ms": "this variant's forward, median over reps and ranks",
     "own_bwd_ms": "this variant's backward (with the communication it waits for), median",
     "own_opt_ms": "this variant's opt.step() (with its communication), median",
-    "fwd_ms": "the same configuration's dlion-local forward: compute without communication",
-    "bwd_ms": "the same configuration's dlion-local backward",
-    "opt_ms": "the same configuration's dlion-local opt.step() (local step, tally, apply)",
-    "no_comm_ms": "dlion-local's step_ms_slowest_rank in the same configuration and batch",
+    "fwd_ms": "the same configuration's dlion-no-comm forward: compute without communication",
+    "bwd_ms": "the same configuration's dlion-no-comm backward",
+    "opt_ms": "the same configuration's dlion-no-comm opt.step() (local step, tally, apply)",
+    "no_comm_ms": "dlion-no-comm's step_ms_slowest_rank in the same configuration and batch",
     "vs_no_comm": "step_ms_slowest_rank / no_comm_ms",
     "hidden_fraction": "overlap variants: 1 - (T - T_no_comm) / (T_ref - T_no_comm), T_ref the "
                        "same exchange without overlap (dlion-vote, dlion-vote-hier)",
@@ -169,7 +169,7 @@ def inter_node_bytes(key: str, n: int, L: int, sent):
     family = strategies.get(key).family
     if sent is None or L == 1 or sent == 0:
         return sent  # one rank per node: every peer is on another node
-    if family in ("dlion", "local"):
+    if family in ("dlion", "no-comm"):
         # flat D-Lion, vote/binary: half the bytes in the all_to_all (direct: n - L of the
         # n - 1 peers are on other nodes), half in gloo's all_gather (a ring in rank order:
         # 1/L of it crosses). Matched the veth counters at 2x2 (2.76 MB of 4.72 MB).
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
         args.width, args.depth, args.batch, args.batches = 256, 4, 8, "8,16"
         args.sweep_n, args.bucket_mbs, args.bucket_mb = 2, "0.25", 1.0
         args.warmup, args.reps = 2, 2
-        args.hier_variants = "dlion-local,lion-allreduce,dlion-vote,lion-allreduce-hier," \
+        args.hier_variants = "dlion-no-comm,lion-allreduce,dlion-vote,lion-allreduce-hier," \
             "dlion-vote-hier,fsdp-dlion"
     layouts = parse_layouts(args.layouts)
     try:  # slugs, or the legacy keys recorded commands use

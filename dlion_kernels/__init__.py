@@ -6,7 +6,7 @@ Floors (each imports only from the floors below it):
 - ``exchange``  the D-Lion protocol on a process group (``fused_dlion_step``)
 - ``optim``     ``torch.optim`` front ends (``DistributedLion``, ``AccumAdamW``, ``AccumLion``)
 - ``decentralized``  gossip training, Wang et al. (``DecentralizedDataParallel``, topologies)
-- ``local``     local steps with an outer step every H steps (``DiLoCo``)
+- ``local_steps`` local steps with an outer step every H steps (``DiLoCo``)
 - ``checkpoint`` per-rank optimizer checkpoints (``save_state``, ``load_state``)
 - ``plan``      the runtime model that predicts each strategy's step time
 - ``demo``      the multi-worker training demos (``python -m dlion_kernels.demo``)
@@ -25,24 +25,24 @@ _PUBLIC = {
     "AccumLion": ".optim.accum",
     "BackendUnavailable": ".kernels.backends",
     "CheckpointError": ".checkpoint",
-    "DLionOuterOptions": ".local.outer_options",
+    "DLionOuterOptions": ".local_steps.outer_options",
     "DecentralizedDataParallel": ".decentralized.wrapper",
     "DetachedGroup": ".exchange.copying",
-    "DiLoCo": ".local.diloco",
+    "DiLoCo": ".local_steps.diloco",
     "DistributedLion": ".optim.dlion",
     "DistributedStepError": ".exchange.collectives",
     "NonFiniteGradientError": ".exchange.step",
-    "SparseLoCoOptions": ".local.outer_options",
+    "SparseLoCoOptions": ".local_steps.outer_options",
     "StepMismatchError": ".exchange.header",
     "StepStats": ".exchange.step",
-    "SyncStats": ".local.diloco",
+    "SyncStats": ".local_steps.diloco",
     "available_backends": ".kernels.backends",
     "fused_dlion_step": ".exchange.step",
     "load_state": ".checkpoint",
     "register_ddp_comm_hook": ".optim.ddp_hook",
     "save_state": ".checkpoint",
 }
-_SUBMODULES = ("checkpoint", "decentralized", "demo", "exchange", "kernels", "local", "optim",
+_SUBMODULES = ("checkpoint", "decentralized", "demo", "exchange", "kernels", "local_steps", "optim",
                "plan")
 
 __all__ = sorted(_PUBLIC)

@@ -56,7 +56,7 @@ from .exchange.checks import check_hyperparameters, check_tensors
 from .exchange.collectives import collective
 from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats
 from .kernels.layout import block_offsets
-from .local import fragments as frag
+from .local_steps import fragments as frag
 
 HEAL_MOMENTUM = ("own", "peer", "zero")
 ALL_REDUCE = "all_reduce(pseudo-gradient)"

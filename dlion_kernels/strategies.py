@@ -10,7 +10,8 @@ lowercase and dash-separated, family first, then what sets it apart:
 - ``dlion-vote``, ``dlion-average``: ``DistributedLion(mode=...)``; suffixes ``-overlap``
   (``overlap=True``), ``-hier`` (``hierarchy=L``: nodes of L consecutive ranks, L the run's ranks
   per node), ``-hier-overlap``, and ``-ddp-hook`` (``register_ddp_comm_hook`` on a DDP model)
-- ``dlion-local``: D-Lion on a group of one rank (a local tally): the step with no communication
+- ``dlion-no-comm``: D-Lion on a group of one rank (each rank tallies alone): the step with no
+  communication
 - ``fsdp-dlion``, ``fsdp-dlion-overlap``: FSDP2 (``fully_shard``) on the shard dimension of an
   (N replicas x L shards) mesh, L the run's ranks per node, and ``DistributedLion(device_mesh=)``
   voting between the replicas (vote mode; ``-overlap``: ``overlap=True``); ``fsdp-allreduce``,
@@ -59,7 +60,7 @@ class Strategy:
 
     slug: str
     label: str  # its name in tables
-    family: str  # which builder runs it: allreduce, local, dlion, fsdp, decentralized, diloco
+    family: str  # which builder runs it: allreduce, no-comm, dlion, fsdp, decentralized, diloco
     optimizer: str  # the update on each rank: adamw, lion, dlion, accum-adamw, accum-lion
     row: str | None  # the slug of the runtime model's row that predicts its step, or None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
@@ -97,7 +98,7 @@ def _entries():
               "lion-allreduce-bf16", bucketed=True, legacy="ddp_bf16", wire="bf16")
     yield add("lion-allreduce-hier", "Lion + hier. all-reduce (RS/AR/AG)", "allreduce", "lion",
               None, nodes=True, bucketed=True, legacy="hier_fp32", wire="hier-fp32")
-    yield add("dlion-local", "D-Lion, local tally (no comm)", "local", "dlion", None,
+    yield add("dlion-no-comm", "D-Lion, local tally (no comm)", "no-comm", "dlion", None,
               legacy="no_comm")
     for mode in MODES:
         for suffix, label, overlap, hier, hook, modelled, legacy in [
@@ -134,7 +135,7 @@ def _entries():
               outer="dlion", mode="vote")
     yield add("diloco-nesterov", "DiLoCo, fp32 Nesterov outer step", "diloco", "adamw",
               "diloco-nesterov", outer="nesterov")
-    # D-Lion's outer step with options (local/outer_options.py), and the SparseLoCo baseline
+    # D-Lion's outer step with options (local_steps/outer_options.py), and the SparseLoCo baseline
     yield add("diloco-dlion-ef", "DiLoCo, D-Lion vote outer step + error feedback", "diloco",
               "adamw", "diloco-dlion-ef", outer="dlion", mode="vote", error_feedback=True,
               scale=False)

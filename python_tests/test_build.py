@@ -15,7 +15,7 @@ from dlion_kernels.kernels.layout import HEADER_WORDS, num_blocks, shard_blocks
 N, L = 4, 2
 SETTINGS = b.Settings(lion_lr=1e-3, adamw_lr=1e-3, bucket_mb=0.01, ranks_per_node=L)
 SLUGS = ["adamw-allreduce", "lion-allreduce", "lion-allreduce-bf16", "lion-allreduce-fp16",
-         "lion-allreduce-hier", "dlion-local", "dlion-vote", "dlion-average-overlap",
+         "lion-allreduce-hier", "dlion-no-comm", "dlion-vote", "dlion-average-overlap",
          "dlion-vote-ddp-hook", "dlion-vote-hier", "decentralized-ring-accum-adamw",
          "decentralized-alternating-exp-ring-accum-lion"]
 
@@ -71,8 +71,8 @@ def test_built_strategies_train_and_count_their_bytes(trained):
         same = [torch.equal(r["params"], ranks[0]["params"]) for r in ranks]
         # synchronous strategies keep every rank identical; gossip and the local tally do not,
         # and gossip is evaluated on the average over the ranks
-        assert all(same) == (family not in ("decentralized", "local")), slug
-        if family != "local":
+        assert all(same) == (family not in ("decentralized", "no-comm")), slug
+        if family != "no-comm":
             assert all(torch.equal(r["evaluated"], ranks[0]["evaluated"]) for r in ranks), slug
     assert all(r["sent"] == [fp32] * 3 for r in by["adamw-allreduce"] + by["lion-allreduce"])
     assert all(r["sent"] == [fp32 // 2] * 3 for r in by["lion-allreduce-bf16"])
@@ -95,7 +95,7 @@ def test_built_strategies_train_and_count_their_bytes(trained):
     # through DDP's hook the headers leave during backward, so step() gathers one more word per
     # rank: the verdict that every rank applies the same step
     assert all(r["sent"] == [vote + 4 * (N - 1)] * 3 for r in by["dlion-vote-ddp-hook"])
-    assert all(r["sent"] == [0] * 3 for r in by["dlion-local"])
+    assert all(r["sent"] == [0] * 3 for r in by["dlion-no-comm"])
     assert all(r["sent"][0] > vote for r in by["dlion-average-overlap"])  # 3 planes, buckets
     assert all(r["inter"] is not None and 0 < r["inter"] < vote for r in by["dlion-vote-hier"])
     # gossip: a pair all-reduce of fp32 parameters (ring), pairs or nodes (alternating)

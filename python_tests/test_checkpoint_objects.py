@@ -25,7 +25,7 @@ import dlion_kernels as dk
 from dlion_kernels.exchange import sharded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for _sub in ("optim", "local"):  # the FSDP2 and DiLoCo tests' models and meshes, by import
+for _sub in ("optim", "local_steps"):  # the FSDP2 and DiLoCo tests' models and meshes, by import
     if os.path.join(HERE, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(HERE, _sub))
 
@@ -60,7 +60,7 @@ def _leaves(x, path=""):
             yield from _leaves(v, f"{path}/{i}")
     elif isinstance(x, torch.Tensor):
         shape = tuple(x.shape)
-        t = sharded.local(x).detach()
+        t = sharded.own_shard(x).detach()
         yield path, (str(t.dtype), shape, tuple(t.shape),
                      t.reshape(-1).contiguous().view(torch.uint8).clone())
     else:

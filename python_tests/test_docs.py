@@ -271,7 +271,7 @@ def test_no_process_words_in_sources(path):
 
 def test_sources_cover_the_code():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert {"dlion_kernels/__init__.py", "dlion_kernels/local/diloco.py",
+    assert {"dlion_kernels/__init__.py", "dlion_kernels/local_steps/diloco.py",
             "dlion_kernels/exchange/pipeline.py", "python_tests/test_layers.py",
             "csrc/bindings.cpp", "bench/bench_overlap.py", "CMakeLists.txt"} <= names
 
@@ -410,7 +410,7 @@ def _fsdp_example(rank, n, code):
     class Recording(dk.DistributedLion):  # the shards as the optimizer first sees them
         def __init__(self, params, **kwargs):
             params = list(params)
-            initial.extend(sharded.local(p).detach().clone() for p in params)
+            initial.extend(sharded.own_shard(p).detach().clone() for p in params)
             super().__init__(params, **kwargs)
 
     dk.DistributedLion = Recording
@@ -419,7 +419,7 @@ def _fsdp_example(rank, n, code):
     model, mesh, opt = scope["model"], scope["mesh"], scope["opt"]
     identical = moved = True
     for p, first in zip(model.parameters(), initial, strict=True):
-        mine = sharded.local(p).detach().contiguous()
+        mine = sharded.own_shard(p).detach().contiguous()
         got = [torch.empty_like(mine) for _ in range(mesh.size(0))]
         dist.all_gather(got, mine, group=mesh["replicate"].get_group())
         identical &= all(torch.equal(g, mine) for g in got)

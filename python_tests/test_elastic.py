@@ -147,7 +147,7 @@ def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
     import torch
 
     import dlion_kernels.elastic  # noqa: F401  (imported ahead: the restart starts at once)
-    import dlion_kernels.local.diloco  # noqa: F401
+    import dlion_kernels.local_steps.diloco  # noqa: F401
     import dlion_kernels.optim.dlion  # noqa: F401
 
     torch.set_num_threads(1)
@@ -196,7 +196,7 @@ def _run(phases, tmp_path) -> dict:
     # (torch._dynamo: what torch.optim loads at a first step; a restart then heals at once)
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
                                 "dlion_kernels.elastic", "dlion_kernels.optim.dlion",
-                                "dlion_kernels.local.diloco", "dlion_kernels.kernels.native",
+                                "dlion_kernels.local_steps.diloco", "dlion_kernels.kernels.native",
                                 "dlion_kernels.kernels.reference"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]

@@ -150,7 +150,7 @@ def test_errors_then_fresh_start():
 # ----------------------------------------------------------------------------- the fault matrix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for sub in ("optim", "local"):  # the FSDP2 and DiLoCo tests' models and helpers
+for sub in ("optim", "local_steps"):  # the FSDP2 and DiLoCo tests' models and helpers
     if os.path.join(HERE, sub) not in sys.path:
         sys.path.insert(0, os.path.join(HERE, sub))  # spawned ranks inherit sys.path
 
@@ -200,7 +200,7 @@ def test_diloco_fsdp_stall_before_last_collective(outer):
     from faults import Fault, run_with_fault
     from test_failures_diloco import FAULT_SYNC, _check_survivors
 
-    from dlion_kernels.local.diloco import FLAGS
+    from dlion_kernels.local_steps.diloco import FLAGS
 
     last = sharded.HEADERS if outer == "dlion" else FLAGS
     fault = Fault(rank=3, step=FAULT_SYNC, point=f"before:{last}", action="stop")

@@ -38,7 +38,7 @@ FLOORS = [
     ("dlion_kernels.plan.__main__", 2),  # its CLI (--measure)
     ("dlion_kernels.optim", 3),  # torch.optim front ends
     ("dlion_kernels.decentralized", 3),  # gossip training
-    ("dlion_kernels.local", 3),  # local steps (DiLoCo)
+    ("dlion_kernels.local_steps", 3),  # local steps (DiLoCo)
     ("dlion_kernels.elastic", 3),  # torchft's quorum around a step (the optional dependency)
     ("dlion_kernels.checkpoint", 4),  # per-rank optimizer checkpoints
     ("dlion_kernels.build", 4),  # a named strategy built on a rank

@@ -12,7 +12,7 @@ from dlion_kernels.topologies import TOPOLOGIES
 
 # bench_training's legacy variant keys and the runtime-model rows bench_plan validates them on
 LEGACY_KEYS = {
-    "no_comm": ("dlion-local", None), "ddp_fp32": ("lion-allreduce", "lion-allreduce"),
+    "no_comm": ("dlion-no-comm", None), "ddp_fp32": ("lion-allreduce", "lion-allreduce"),
     "ddp_fp16": ("lion-allreduce-fp16", None), "ddp_bf16": ("lion-allreduce-bf16",
                                                              "lion-allreduce-bf16"),
     "dlion": ("dlion-vote", "dlion-vote"), "dlion_overlap": ("dlion-vote-overlap",
@@ -36,7 +36,7 @@ def test_one_slug_scheme():
         assert s.slug == slug
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
         assert slug.startswith(s.family if s.family in ("dlion", "fsdp", "decentralized", "diloco")
-                               else s.optimizer if s.family == "allreduce" else "dlion-local")
+                               else s.optimizer if s.family == "allreduce" else "dlion-no-comm")
     # every combination of the decentralized family is named
     for topology in TOPOLOGIES:
         for opt in strategies.DECENTRALIZED_OPTIMIZERS:
@@ -114,4 +114,4 @@ def test_what_runs_where():
     bucketed = {s.slug for s in strategies.STRATEGIES.values() if s.bucketed}
     assert {"lion-allreduce", "dlion-vote-overlap", "dlion-vote-ddp-hook",
             "decentralized-ring-adamw"} <= bucketed
-    assert not {"dlion-vote", "dlion-vote-hier", "dlion-local"} & bucketed
+    assert not {"dlion-vote", "dlion-vote-hier", "dlion-no-comm"} & bucketed

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.collectives import gather_into_tensor, reduce_scatter_into_tensor
-from ..exchange.sharded import local
+from ..exchange.sharded import own_shard
 from ..optim.dlion import DistributedLion
 from .groups import solo_group
 from .settings import Settings
@@ -99,10 +99,10 @@ class ShardLion:
 
     def step(self):
         if self.inner is None:
-            aliases = [local(p).detach().requires_grad_() for p in self.params]
+            aliases = [own_shard(p).detach().requires_grad_() for p in self.params]
             self.inner = local_optimizer("lion", aliases, self.settings, solo_group())
         for p, x in zip(self.params, self.inner.param_groups[0]["params"]):
-            x.grad = local(p.grad)
+            x.grad = own_shard(p.grad)
         self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True):

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from ..accounting import ddp_all_reduce_bytes, fsdp_model_bytes
 from ..decentralized.wrapper import DecentralizedDataParallel
-from ..exchange.sharded import local
-from ..local.diloco import DiLoCo
+from ..exchange.sharded import own_shard
+from ..local_steps.diloco import DiLoCo
 from ..optim.accum import AccumAdamW, AccumLion
 from ..optim.ddp_hook import register_ddp_comm_hook
 from ..optim.dlion import DistributedLion
@@ -71,7 +71,7 @@ def _stats_bytes(opt):
     return sent
 
 
-def _local(strategy: Strategy, model, n: int, s: Settings) -> Built:
+def _no_comm(strategy: Strategy, model, n: int, s: Settings) -> Built:
     """D-Lion with its exchange replaced by a tally on a group of this rank alone."""
     opt = DistributedLion(model.parameters(), lr=s.lion_lr, group=solo_group(),
                           weight_decay=s.weight_decay, backend=s.backend)
@@ -191,7 +191,7 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
 
     @contextlib.contextmanager
     def synced():
-        params = [local(p) for ps in diloco.fragment_params for p in ps]
+        params = [own_shard(p) for ps in diloco.fragment_params for p in ps]
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
             torch._foreach_copy_(params, diloco.theta_bar)
@@ -211,5 +211,5 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
                  evaluation=synced, extra_state=outer_state)
 
 
-BUILDERS = {"allreduce": _allreduce, "local": _local, "dlion": _dlion, "fsdp": _fsdp,
+BUILDERS = {"allreduce": _allreduce, "no-comm": _no_comm, "dlion": _dlion, "fsdp": _fsdp,
             "decentralized": _decentralized, "diloco": _diloco}

@@ -62,8 +62,8 @@ def is_dtensor(t) -> bool:
     return dist.is_available() and isinstance(t, _dtensor()[0])
 
 
-def local(t):
-    """A DTensor's local tensor (a view of its storage), or ``t`` itself (a plain tensor or
+def own_shard(t):
+    """This rank's shard of a DTensor (a view of its storage), or ``t`` itself (a plain tensor or
     None)."""
     if not is_dtensor(t):
         return t
@@ -124,7 +124,7 @@ class Sharding:
 
     def zero_momentum(self, param):
         """A zero fp32 momentum for ``param`` (layout of the module docstring)."""
-        mine = local(param)
+        mine = own_shard(param)
         return self._momentum(param, torch.zeros((1, *mine.shape), dtype=torch.float32,
                                                  device=mine.device))
 
@@ -139,7 +139,7 @@ class Sharding:
         """ValueError naming ``where`` unless ``value`` is a momentum of ``param`` on this mesh
         (global shape (N, *param.shape), this rank's piece of (1, *local shape))."""
         expected = (self.replicas, *param.shape)
-        piece = (1, *local(param).shape)
+        piece = (1, *own_shard(param).shape)
         if not is_dtensor(value):
             raise ValueError(
                 f"{where} is a {type(value).__name__}; a DistributedLion over FSDP2 parameters "
@@ -161,7 +161,7 @@ class Sharding:
 def momentum_local(m) -> torch.Tensor:
     """The local tensor of a momentum DTensor, shaped like the parameter's local shard (a view:
     writing it writes the momentum)."""
-    return local(m)[0]
+    return own_shard(m)[0]
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -399,7 +399,7 @@ def memory_per_rank(optimizer) -> dict:
     out = dict(params=0, grads=0, optimizer_state=0)
 
     def add(key, t):
-        t = local(t)
+        t = own_shard(t)
         if isinstance(t, torch.Tensor):
             out[key] += t.numel() * t.element_size()
 

@@ -290,7 +290,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         values = [None] * len(_START_FACTS)
         if facts and problem is None:
             listed = [p for g in self.param_groups for p in g["params"]]
-            local = [sharded.local(p) for p in self._trainable()]
+            local = [sharded.own_shard(p) for p in self._trainable()]
             values = [
                 self.mode, self.votes, self.nonfinite,
                 (self.overlap, self.bucket_mb if self.overlap else None),
@@ -655,8 +655,8 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             segments = [self._segments[self._group_of[id(p)]] for p in params]
             ids = [id(p) for p in params]
             if self._sharding is not None:  # FSDP2: the exchange runs on the local shards
-                params = [sharded.local(p) for p in params]
-                grads = [sharded.local(g) for g in grads]
+                params = [sharded.own_shard(p) for p in params]
+                grads = [sharded.own_shard(g) for g in grads]
                 exp_avgs = [sharded.momentum_local(m) for m in exp_avgs]
             offsets, blocks = layout if layout is not None else block_offsets(
                 p.numel() for p in params)

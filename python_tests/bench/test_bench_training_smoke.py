@@ -42,7 +42,7 @@ def test_bench_training_smoke(tmp_path):
     rows = data["rows"]
     ok = {(r["layout"], r["variant"], r["sweep"], r["batch"], r["bucket_mb"]): r
           for r in rows if r["status"] == "ok"}
-    for key in ("dlion-local", "lion-allreduce", "lion-allreduce-fp16", "dlion-vote"):
+    for key in ("dlion-no-comm", "lion-allreduce", "lion-allreduce-fp16", "dlion-vote"):
         assert ("flat", key, "main", 8, 1.0) in ok, key
     for r in ok.values():
         for field in SCHEMA:

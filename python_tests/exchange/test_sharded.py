@@ -16,7 +16,7 @@ from dlion_kernels.exchange.header import NONFINITE
 def test_plain_tensors():
     """Plain tensors are no DTensors: ``local`` is the tensor itself, ``resolve`` gives None."""
     t = torch.zeros(3)
-    assert sharded.local(t) is t and sharded.local(None) is None
+    assert sharded.own_shard(t) is t and sharded.own_shard(None) is None
     assert not sharded.is_dtensor(t) and not sharded.sharded_params([t, t])
     assert sharded.resolve([t]) is None
 
@@ -95,7 +95,7 @@ def _worker(rank, n):
     out["agreed"] = (agree(mine).tolist(), agree.sent)
     # memory: this rank's shards and one fp32 momentum of the same size
     opt = dk.DistributedLion(params, device_mesh=mesh)
-    local = sum(sharded.local(p).numel() for p in params)
+    local = sum(sharded.own_shard(p).numel() for p in params)
     out["memory"] = (sharded.memory_per_rank(opt), local,
                      sum(p.numel() for p in params))
     return out

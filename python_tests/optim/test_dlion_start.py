@@ -59,7 +59,7 @@ def _snapshot(opt):
     for p in [p for g in opt.param_groups for p in g["params"]]:
         state = opt.state.get(p, {})
         m = state.get("exp_avg")
-        m = sharded.local(m).clone() if m is not None else None
+        m = sharded.own_shard(m).clone() if m is not None else None
         out.append((state.get("step"), m))
     return out, [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups]
 
@@ -132,7 +132,7 @@ def _worker(rank, n):
     out["flat after"] = [p.detach().clone() for p in net.parameters()]
     net, opt = fsdp()
     _train(net, opt, rank, 1)
-    out["fsdp after"] = [sharded.local(p).detach().clone() for p in net.parameters()]
+    out["fsdp after"] = [sharded.own_shard(p).detach().clone() for p in net.parameters()]
     out["replicate rank"] = dist.get_rank(replicate)
     return out
 

@@ -86,7 +86,7 @@ def _backward(net, step, rank):
 
 
 def _locals(net):
-    return [sharded.local(p).detach().clone() for p in net.parameters()]
+    return [sharded.own_shard(p).detach().clone() for p in net.parameters()]
 
 
 def _momenta(opt, net):
@@ -101,7 +101,7 @@ def _replicas_identical(net, group) -> bool:
     """Every replica of this rank's shards holds the same bits."""
     same = True
     for p in net.parameters():
-        mine = sharded.local(p).detach()
+        mine = sharded.own_shard(p).detach()
         got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(got, mine.contiguous(), group=group)
         same &= all(torch.equal(g, mine) for g in got)
@@ -336,7 +336,7 @@ def _decisions(rank, n):
         if rank == 2:
             xs[0][20, 3] = float("nan")
         net(xs).backward()
-        has_nan = any(not sharded.local(p.grad).isfinite().all() for p in net.parameters())
+        has_nan = any(not sharded.own_shard(p.grad).isfinite().all() for p in net.parameters())
         outcome = _step_outcome(opt)[0]
         out[nonfinite] = (outcome, has_nan, _same(before[0], _locals(net)),
                           _same(before[1], _momenta(opt, net)),
@@ -451,8 +451,8 @@ def _oracle(opt, net, replicate, step, lr, betas, weight_decay):
     from dlion_kernels.kernels import reference
     from dlion_kernels.kernels.layout import block_offsets
 
-    params = [sharded.local(p).detach().clone() for p in net.parameters()]
-    grads = [sharded.local(p.grad) for p in net.parameters()]
+    params = [sharded.own_shard(p).detach().clone() for p in net.parameters()]
+    grads = [sharded.own_shard(p.grad) for p in net.parameters()]
     moms = _momenta(opt, net)
     offsets, total = block_offsets(p.numel() for p in params)
     N = dist.get_world_size(replicate)
@@ -492,7 +492,7 @@ def _mixed_precision(rank, n):
         for o in opts:
             o.step()
         rows.append(dict(
-            dtypes={(sharded.local(p).dtype, sharded.local(p.grad).dtype)
+            dtypes={(sharded.own_shard(p).dtype, sharded.own_shard(p.grad).dtype)
                     for p in nets[0].parameters()},
             oracle=_same(expect[0], _locals(nets[0])) and _same(expect[1], _momenta(opts[0],
                                                                                  nets[0])),
@@ -630,7 +630,7 @@ def _checkpoints(rank, n, directory):
     net3 = _fsdp(mesh)
     with torch.no_grad():
         for p, x in zip(net3.parameters(), at_save[0]):
-            sharded.local(p).copy_(x)
+            sharded.own_shard(p).copy_(x)
     opt3 = dk.DistributedLion(_groups(net3), device_mesh=mesh)
     dk.load_state(opt3, os.path.join(directory, "dk"))
     out["dk loaded"] = _same(at_save[1], _momenta(opt3, net3))
@@ -731,7 +731,7 @@ def _copies(rank, n):
         out[how] = dict(
             options=(c.mode, c.votes, c.sharded, c.device_mesh.mesh.tolist(),
                      [(g["lr"], g["betas"]) for g in c.param_groups]),
-            params=_same(_locals(net), [sharded.local(q).detach() for q in params]),
+            params=_same(_locals(net), [sharded.own_shard(q).detach() for q in params]),
             momenta=_same(_momenta(opt, net),
                           [sharded.momentum_local(c.state[q]["exp_avg"]) for q in params]),
             steps={c.state[q]["step"] for q in params})
@@ -799,7 +799,7 @@ def _bad_input(rank, n):
     kept = (_momenta(opt, net), len(opt.param_groups))
     out["add plain group"] = _errors(lambda: opt.add_param_group({"params": plain[:1]}))
     state = opt.state_dict()
-    bad = {**state, "state": {i: {**v, "exp_avg": sharded.local(v["exp_avg"]).clone()}
+    bad = {**state, "state": {i: {**v, "exp_avg": sharded.own_shard(v["exp_avg"]).clone()}
                               for i, v in state["state"].items()}}
     out["plain momentum"] = _errors(lambda: opt.load_state_dict(bad))
     plain_opt = DL(plain)

@@ -411,8 +411,8 @@ def test_rank_strategies_names_every_row_once():
     ranked = model.rank_strategies("10M", 6, 1, allowed=["dlion-vote", "dlion-vote-hier"],
                                    **inputs)
     assert [slug for slug, _ in ranked] == ["dlion-vote"]
-    with pytest.raises(ValueError, match="no row for 'dlion-local'"):
-        model.rank_strategies("10M", 6, 2, allowed=["dlion-local"], **inputs)
+    with pytest.raises(ValueError, match="no row for 'dlion-no-comm'"):
+        model.rank_strategies("10M", 6, 2, allowed=["dlion-no-comm"], **inputs)
     with pytest.raises(ValueError, match="none of .* can run on 6 ranks"):
         model.rank_strategies("10M", 6, 1, allowed=["dlion-vote-hier"], **inputs)
     with pytest.raises(ValueError, match="unknown strategy 'dlion-median'"):

@@ -17,7 +17,7 @@ from test_diloco import _inner, _inner_step, _model
 
 import dlion_kernels as dk
 from dlion_kernels.exchange.sharded import HEADERS
-from dlion_kernels.local.diloco import ALL_REDUCE, FLAGS, DiLoCo
+from dlion_kernels.local_steps.diloco import ALL_REDUCE, FLAGS, DiLoCo
 
 PG_TIMEOUT = 5.0  # seconds: the group's timeout and DiLoCo(timeout=)
 MARGIN = 15.0  # spawn and scheduling jitter on a shared 2-core machine

@@ -18,7 +18,7 @@ from test_diloco_fsdp import _inner_step as _fsdp_inner_step
 from workers import run_workers
 
 from dlion_kernels.exchange import sharded
-from dlion_kernels.local.diloco import DiLoCo
+from dlion_kernels.local_steps.diloco import DiLoCo
 
 H = 2
 BOUND = 30  # seconds: every wait of the verdict (the object's timeout=)
@@ -61,9 +61,9 @@ def _resume_case(build, step, rank, odd_rank):
         step(net, inner, rank, t)
         d.step()
     step(net, inner, rank, 2 * H)
-    before = (_theta(d), [sharded.local(p).detach().clone() for p in net.parameters()])
+    before = (_theta(d), [sharded.own_shard(p).detach().clone() for p in net.parameters()])
     result = outcome(d.step)
-    after = (_theta(d), [sharded.local(p).detach().clone() for p in net.parameters()])
+    after = (_theta(d), [sharded.own_shard(p).detach().clone() for p in net.parameters()])
     unchanged = _same(before[0], after[0]) and _same(before[1], after[1])
     return result, unchanged and d.inner_step == start + H - 1
 
@@ -74,7 +74,7 @@ def _with(sd, **changes):
 
 def _perturb(net):
     with torch.no_grad():
-        sharded.local(next(net.parameters())).view(-1)[0] += 1e-3
+        sharded.own_shard(next(net.parameters())).view(-1)[0] += 1e-3
     return net
 
 

@@ -15,8 +15,8 @@ import dlion_kernels as dk
 from dlion_kernels.exchange.header import HEADER_WORDS
 from dlion_kernels.kernels import reference
 from dlion_kernels.kernels.layout import aggregate_planes, block_offsets, vote_planes
-from dlion_kernels.local import fragments as frag
-from dlion_kernels.local.diloco import DiLoCo
+from dlion_kernels.local_steps import fragments as frag
+from dlion_kernels.local_steps.diloco import DiLoCo
 
 LR, WD, BETAS, MU = 5e-2, 0.1, (0.9, 0.99), 0.9
 COMBOS = [("dlion", "vote", "binary"), ("dlion", "vote", "ternary"),

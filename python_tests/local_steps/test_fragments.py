@@ -1,8 +1,8 @@
-"""Streaming DiLoCo's cut and schedule (dlion_kernels/local/fragments.py), without processes."""
+"""Streaming DiLoCo's cut and schedule (local_steps/fragments.py), without processes."""
 
 import pytest
 
-from dlion_kernels.local import fragments as frag
+from dlion_kernels.local_steps import fragments as frag
 
 
 @pytest.mark.parametrize("numels,parts", [

@@ -21,8 +21,8 @@ from workers import run_workers
 
 import dlion_kernels as dk
 from dlion_kernels.exchange import sharded
-from dlion_kernels.local import fragments as frag
-from dlion_kernels.local.diloco import DiLoCo
+from dlion_kernels.local_steps import fragments as frag
+from dlion_kernels.local_steps.diloco import DiLoCo
 
 # odd sizes: FSDP's shards are uneven or empty ((33, 6): 17 and 16 rows; (1,): one and none)
 SHAPES = [(33, 6), (7,), (5, 4), (1,)]
@@ -75,7 +75,7 @@ def _inner_step(net, inner, rank, t):
 
 
 def _snap(net, diloco):
-    return ([sharded.local(p).detach().clone() for p in net.parameters()],
+    return ([sharded.own_shard(p).detach().clone() for p in net.parameters()],
             [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta])
 
 
@@ -138,7 +138,7 @@ def _sync_worker(rank, n, N):
                                 calls=rec.calls, sent=dict(rec.sent)))
         out[outer, mode, votes, h, p, tau] = dict(
             records=records, fragments=[[index[id(q)] for q in f] for f in diloco.fragment_params],
-            local=[sharded.local(q).numel() for q in net.parameters()])
+            local=[sharded.own_shard(q).numel() for q in net.parameters()])
     return out
 
 
@@ -235,7 +235,7 @@ def _nonfinite_worker(rank, n):
                 _inner_step(net, inner, rank, t)
                 if t == 4 and rank == 1:  # replica 0's second shard diverged in this window
                     with torch.no_grad():
-                        sharded.local(next(net.parameters()))[0, 0] = float("nan")
+                        sharded.own_shard(next(net.parameters()))[0, 0] = float("nan")
                 before = _snap(net, diloco)
                 try:
                     stats = diloco.step()
@@ -350,7 +350,7 @@ def _bad_input_worker(rank, n):
     other = _fsdp(mesh)
     if rank >= 2:
         with torch.no_grad():
-            sharded.local(next(other.parameters())).add_(1.0)
+            sharded.own_shard(next(other.parameters())).add_(1.0)
     attempt("weights", lambda: DiLoCo(other, torch.optim.AdamW(other.parameters()), 2,
                                       device_mesh=mesh))
     # the replicate group as group= works like the mesh; a checkpoint of a 1-D mesh is refused

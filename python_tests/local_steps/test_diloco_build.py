@@ -11,8 +11,8 @@ from workers import run_workers
 
 from dlion_kernels import build as b
 from dlion_kernels import strategies
-from dlion_kernels.local import fragments as frag
-from dlion_kernels.local.outer_options import SparseLoCoOptions
+from dlion_kernels.local_steps import fragments as frag
+from dlion_kernels.local_steps.outer_options import SparseLoCoOptions
 
 N, H, STEPS = 3, 4, 8
 SLUGS = ["diloco-dlion", "diloco-nesterov", "diloco-dlion-ef", "diloco-dlion-ef-scale",

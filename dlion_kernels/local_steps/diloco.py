@@ -170,7 +170,7 @@ class _Fragment:
 
     def locals(self) -> list:
         """The tensors synced: the parameters, or their local shards (FSDP2)."""
-        return [sharded.local(p) for p in self.params]
+        return [sharded.own_shard(p) for p in self.params]
 
     def views(self, flat: torch.Tensor) -> list:
         out, start = [], 0
@@ -292,7 +292,7 @@ class DiLoCo:
         self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
                            for f, cut in enumerate(self._cuts)]
         self._options = options_.runtime(self)  # None: the plain outer step
-        self._streams = Streams(sharded.local(params[0]).device)
+        self._streams = Streams(sharded.own_shard(params[0]).device)
         self.inner_step = 0
         self.last_stats: SyncStats | None = None
         self.bytes_sent = 0
@@ -362,7 +362,7 @@ class DiLoCo:
         """The exchange group: FSDP2's replicate group (the replicas of this rank's
         shards) or ``group``; checked against the parameters' device."""
         self._sharding = sharded.resolve(params, device_mesh, group)
-        device = check_params([sharded.local(p) for p in params])
+        device = check_params([sharded.own_shard(p) for p in params])
         self.group = self._sharding.replicate if self._sharding is not None else group
         self.outer_options = options_.check(self.outer, self.outer_options, self.votes,
                                             self._sharding is not None)
@@ -400,7 +400,7 @@ class DiLoCo:
         groups, block = agree.start_groups(params, device_mesh, group)
         values = [None] * len(_START_FACTS)
         if problem is None:
-            local = [sharded.local(p) for p in params]
+            local = [sharded.own_shard(p) for p in params]
             values = [self.sync_every, self.outer, self.outer_lr, self.outer_betas,
                       self.outer_weight_decay, self.outer_momentum, self.merge_alpha, self.mode,
                       self.votes, self.nonfinite, self.fragments, self.overlap_steps,

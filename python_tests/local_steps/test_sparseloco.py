@@ -13,8 +13,8 @@ from outer_runs import check_resumes_exact, resumed_runs, run
 from test_diloco import _inner_step, _model
 from workers import run_workers
 
-from dlion_kernels.local import fragments as frag
-from dlion_kernels.local.outer_options import SparseLoCoOptions
+from dlion_kernels.local_steps import fragments as frag
+from dlion_kernels.local_steps.outer_options import SparseLoCoOptions
 
 N, STEPS = 3, 7
 CONFIGS = {
@@ -190,8 +190,8 @@ def test_bad_settings_are_refused(kwargs, match):
 
 
 def test_other_options_are_refused_and_a_checkpoint_must_match():
-    from dlion_kernels.local.diloco import DiLoCo
-    from dlion_kernels.local.outer_options import DLionOuterOptions
+    from dlion_kernels.local_steps.diloco import DiLoCo
+    from dlion_kernels.local_steps.outer_options import DLionOuterOptions
 
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)

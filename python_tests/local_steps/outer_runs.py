@@ -10,7 +10,7 @@ import torch
 from test_diloco import _inner_step, _model, _Recorder
 
 from dlion_kernels.exchange.pipeline import NonFiniteGradientError
-from dlion_kernels.local.diloco import DiLoCo
+from dlion_kernels.local_steps.diloco import DiLoCo
 
 H = 3  # inner steps between syncs unless a run says otherwise
 WD, BETAS = 0.1, (0.9, 0.99)  # the outer weight decay and betas of every run

@@ -12,7 +12,7 @@ from test_diloco import _inner, _inner_step, _model
 from workers import run_workers
 
 import dlion_kernels as dk
-from dlion_kernels.local.diloco import DiLoCo
+from dlion_kernels.local_steps.diloco import DiLoCo
 
 STEPS = 13
 CASES = [  # (outer, sync_every, fragments, overlap_steps, k, inner, how)

@@ -24,9 +24,9 @@ from test_diloco import LR, _inner_step, _model, check_outer_step
 from workers import run_workers
 
 from dlion_kernels.kernels.layout import HEADER_WORDS, aggregate_planes, block_offsets
-from dlion_kernels.local import fragments as frag
-from dlion_kernels.local.diloco import DiLoCo
-from dlion_kernels.local.outer_options import DLionOuterOptions, SparseLoCoOptions
+from dlion_kernels.local_steps import fragments as frag
+from dlion_kernels.local_steps.diloco import DiLoCo
+from dlion_kernels.local_steps.outer_options import DLionOuterOptions, SparseLoCoOptions
 
 N, STEPS = 3, 7
 
@@ -303,7 +303,7 @@ def test_a_checkpoint_of_other_options_is_refused_with_nothing_changed():
 
 
 def test_fsdp_mesh_is_refused():
-    from dlion_kernels.local import outer_options
+    from dlion_kernels.local_steps import outer_options
 
     with pytest.raises(ValueError, match="FSDP2"):
         outer_options.check("dlion", DLionOuterOptions(error_feedback=True), "binary", True)
