@@ -58,3 +58,17 @@ def pytest_terminal_summary(terminalreporter):
     slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
     for path, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_ranks_from_the_rank_server():
+    """The demos' ranks, in the tests, come from the tests' rank server (torch imported once per
+    pytest process) like every other test's, instead of a spawned interpreter each; the demo's
+    own launcher is tested in test_launch.py and by the torchrun test."""
+    import rankserver
+
+    from dlion_kernels.demo import common
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "spawn", rankserver.run)
+        yield
