@@ -151,7 +151,10 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     meta = common.metadata({"benchmark": "run_all", "device": device, "parts": parts,
                             "smoke": args.smoke})
-    env = dict(os.environ)
+    # Not an xdist worker's variables (when a test runs this script): pytest-benchmark would take
+    # the parts' own pytest for a distributed run and switch itself off.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
     if args.smoke:
         env.setdefault("DLION_BENCH_NUMEL", SMOKE_NUMEL)
     print(f"run_all: {parts} -> {out}", flush=True)
