@@ -105,8 +105,8 @@ def _check_object(obj) -> None:
 def _sharding(obj):
     """The FSDP2 layout (``exchange.sharded.Sharding``) of a ``DistributedLion`` or ``DiLoCo``
     over DTensor parameters, else None."""
-    if isinstance(getattr(type(obj), "sharded", None), property):
-        obj.sharded  # DistributedLion makes its runtime state here (a copy starts without it)
+    if isinstance(getattr(type(obj), "sharding", None), property):
+        return obj.sharding  # DistributedLion (a copy makes its runtime state here)
     return getattr(obj, "_sharding", None)
 
 

@@ -183,7 +183,7 @@ def _worker(rank, n, L, variants):
             opt2.step()
         out[(mode, votes)] = dict(
             params=[p.detach().clone() for ps in params for p in ps], stats=stats, counted=counted,
-            shard=shard, buffer=opt._shard.buf.numel(),
+            shard=shard, buffer=opt._path.momentum.buf.numel(),
             resumed=[p.detach().clone() for ps in params2 for p in ps])
 
     # The functional API on full-size exp_avgs: only the rank's shard of them is used; same

@@ -77,7 +77,7 @@ def _until_arrived(opt):
 
     def hook(_param):
         deadline = time.monotonic() + 60
-        ex = opt._exchange
+        ex = opt._path.exchange
         while ex is not None and not all(w.stage > 0 or w.arrived() for w in ex.works):
             assert time.monotonic() < deadline, "an all_to_all never completed"
             time.sleep(0.001)

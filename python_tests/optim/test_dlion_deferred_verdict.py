@@ -46,7 +46,7 @@ def _run(rank, deferred, overlap, scaled):
             scaler.update()
         else:
             opt.step()
-        pending = opt._pending is not None
+        pending = opt._path.pending is not None
         counts = [opt.state[p]["step"] for p in model.parameters()]
         skipped = opt.last_stats.skipped  # settles
         trace.append(dict(pending=pending, counts_before_settle=counts, skipped=skipped,
@@ -114,7 +114,7 @@ def _mismatch(rank, n):
         error = str(e)
     return dict(unchanged=unchanged, error=error, counts_before=counts,
                 counts_after=[opt.state[p]["step"] for p in model.parameters()],
-                pending=opt._pending is not None)
+                pending=opt._path.pending is not None)
 
 
 def test_deferred_step_mismatch_raises_at_next_step():
@@ -148,4 +148,4 @@ def test_no_host_sync_on_cuda_with_skip(overlap):
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert opt._pending is not None and opt.last_stats.skipped is False
+    assert opt._path.pending is not None and opt.last_stats.skipped is False
