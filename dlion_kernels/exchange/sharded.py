@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import DistributedStepError, collective
-from .groups import cached, new_group, retire
+from .groups import cached, new_group, retire, solo_group
 from .header import HEADER_WORDS, NONFINITE
 from .pipeline import StepStats, all_gather
 
@@ -171,13 +171,6 @@ def _ranks(mesh) -> list[int]:
     return mesh.mesh.reshape(-1).tolist()
 
 
-def _solo_group():
-    """A process group of this rank alone (N = 1 has no replicate dimension to take one from);
-    created by this rank only, once per default group (a new one after a re-initialization)."""
-    me = dist.get_rank()
-    return cached("solo", None, lambda: new_group([me], use_local_synchronization=True), me)
-
-
 def mesh_group(sharding: Sharding, step, timeout=None):
     """A process group of every rank of ``sharding``'s mesh (the shard group when N = 1), made
     once at the mesh's first step (``groups.cached``) with the job's timeout: every rank of the
@@ -250,7 +243,7 @@ def resolve(params, device_mesh=None, group=None) -> Sharding | None:
                 f"the parameters are sharded over ranks {shard_ranks}, {L} of the {world} "
                 "ranks: pass device_mesh= (the 2-D mesh with dims 'replicate' and 'shard') or "
                 "group= (the replicate group: the ranks holding this rank's shard)")
-        return Sharding(shard_mesh, None, 0, _solo_group(), shard_group, 1, L)
+        return Sharding(shard_mesh, None, 0, solo_group(), shard_group, 1, L)
     return _from_group(group, shard_mesh, shard_group, L)
 
 
@@ -268,7 +261,7 @@ def _from_mesh(device_mesh, shard_mesh, shard_group, L) -> Sharding:
             raise ValueError(
                 f"device_mesh {device_mesh} (1-D: the shard dimension, N = 1) does not match "
                 f"the parameters' mesh {shard_mesh}: pass the mesh fully_shard sharded them over")
-        return Sharding(shard_mesh, None, 0, _solo_group(), shard_group, 1, L)
+        return Sharding(shard_mesh, None, 0, solo_group(), shard_group, 1, L)
     if device_mesh.ndim != 2:
         raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard), got "
                          f"{device_mesh.ndim}-D {device_mesh}")
