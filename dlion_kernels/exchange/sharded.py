@@ -190,6 +190,20 @@ def mesh_group(sharding: Sharding, step, timeout=None):
     return cached("mesh", None, make, tuple(ranks))
 
 
+def mesh_collective(sharding: Sharding, step, name: str, fn, *args, timeout=None, **kwargs):
+    """``fn(*args, group=<the mesh's group>, **kwargs)`` as step ``step``'s collective ``name``
+    (``collectives.collective``): one collective over every rank of ``sharding``'s mesh, the
+    mesh-wide decision of a step. A failure retires the mesh's group (``groups.retire``: work may
+    be left pending on it) and raises ``DistributedStepError``."""
+    group = None
+    try:
+        group = mesh_group(sharding, step, timeout)
+        collective(name, step, fn, *args, group=group, timeout=timeout, **kwargs)
+    except DistributedStepError:
+        retire(group)
+        raise
+
+
 def check_param(i: int, p, first) -> None:
     """``params[i]`` is an FSDP2 parameter (Shard(d) over one mesh dimension), sharded over the
     same ranks as ``first`` (None: no other to compare with); ValueError otherwise."""
@@ -338,7 +352,12 @@ class ShardAgreement:
     same decision: skip if any rank flagged a non-finite gradient or gave up or set other
     settings, ``StepMismatchError`` if any two ranks differ in step.
     ``sent``: the bytes this rank sent in that gather. A failure in it retires the mesh's group
-    (``groups.retire``)."""
+    (``groups.retire``).
+
+    ``DiLoCo`` makes the same mesh-wide decision for a pseudo-gradient (``mesh_collective``
+    too) with an all-reduce (MAX) of one flag and every replica's step instead: it has no
+    per-rank words to compare (no ABORTED, no settings digest), and its bytes are counted as that
+    all-reduce."""
 
     def __init__(self, sharding: Sharding, step: int, timeout=None):
         self.sharding, self.shards = sharding, sharding.shards
@@ -357,15 +376,9 @@ class ShardAgreement:
         n = self.sharding.replicas * self.shards
         if n == 1:
             return mine.view(1, 1, HEADER_WORDS)
-        group = None
-        try:
-            group = mesh_group(self.sharding, self.step, self.timeout)
-            gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
-            collective(HEADERS, self.step, all_gather, gathered, mine, group,
-                       timeout=self.timeout)
-        except DistributedStepError:
-            retire(group)
-            raise
+        gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
+        mesh_collective(self.sharding, self.step, HEADERS, all_gather, gathered, mine,
+                        timeout=self.timeout)
         self.sent += (n - 1) * mine.numel() * mine.element_size()
         return gathered.view(1, n, HEADER_WORDS)
 

@@ -559,8 +559,9 @@ class DiLoCo:
             words[0] = int(flag)
             words[1 + me * len(steps):][: len(steps)] = torch.tensor(steps, dtype=torch.int32)
             words = words.to(mean.device)
-            collective(FLAGS, step, dist.all_reduce, words, op=dist.ReduceOp.MAX,
-                       group=mesh, timeout=self.timeout, label=_LABEL, applied=_APPLIED)
+            sharded.mesh_collective(self._sharding, step, FLAGS, dist.all_reduce, words,
+                                    op=dist.ReduceOp.MAX, timeout=self.timeout, label=_LABEL,
+                                    applied=_APPLIED)
             flag, table = words[:1].cpu(), words[1:].view(M, -1).tolist()
             intra = round(gossip_bytes_per_step(words.numel(), 4, M))
         if len({s for row in table for s in row}) > 1:
