@@ -726,6 +726,15 @@ class DiLoCo:
         return [v for f in self._fragments for v in f.views(f.momentum)]
 
     @property
+    def outer_residuals(self) -> list | None:
+        """The error-feedback residual of ``outer_options`` per trainable parameter (fp32 views,
+        like ``theta_bar``), or None where the options keep none."""
+        flats = self._options.residuals() if self._options is not None else None
+        if flats is None or all(r is None for r in flats):
+            return None
+        return [v for f in self._fragments for v in f.views(flats[f.index])]
+
+    @property
     def fragment_params(self) -> list:
         """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]

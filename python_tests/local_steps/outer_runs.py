@@ -24,12 +24,8 @@ def inner_optimizer(model):
 
 def snap(model, diloco):
     """(params, theta_bar, momenta, residuals) per tensor; residuals None without them."""
-    runner = diloco._options
-    residual = None
-    if runner is not None and getattr(runner, "residual", None) is not None \
-            and runner.residual[0] is not None:
-        residual = [v.clone() for f in diloco._fragments for v in
-                    f.views(runner.residual[f.index])]
+    residual = diloco.outer_residuals
+    residual = None if residual is None else [v.clone() for v in residual]
     return ([p.detach().clone() for p in model.parameters()],
             [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta],
             residual)

@@ -260,8 +260,8 @@ def test_bad_options_are_refused(kwargs, error, match):
 def _state(diloco):
     return copy.deepcopy((diloco.inner_step, [t.clone() for t in diloco.theta_bar],
                           [m.clone() for m in diloco.outer_momenta],
-                          [None if r is None else r.clone() for r in diloco._options.residual]
-                          if diloco._options is not None else None))
+                          None if diloco.outer_residuals is None else
+                          [r.clone() for r in diloco.outer_residuals]))
 
 
 def _equal_state(a, b):
