@@ -739,8 +739,9 @@ class DiLoCo:
         """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]
 
-    # What the modules that run a sync around this object use (elastic.py, outer_options.py,
-    # build.py's accounting): named here so that none of them reaches into private state.
+    # What the modules that run a sync around this object use (elastic.py, outer_options.py;
+    # the builders' state accounting reads theta_bar, outer_momenta and outer_residuals above):
+    # named here so that none of them reaches into private state.
 
     @property
     def fragment_states(self) -> list:
