@@ -195,7 +195,7 @@ def _run(phases, tmp_path) -> dict:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
                                 "dlion_kernels.elastic", "dlion_kernels.optim.dlion",
                                 "dlion_kernels.local_steps.diloco", "dlion_kernels.kernels.native",
-                                "dlion_kernels.kernels.reference"])
+                                "dlion_kernels.kernels.reference", "dlion_kernels.demo.elastic"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
     restarts = {(p, v): ctx.Process(target=_replica, args=(v, plan, p, tmp, gos[p]))
