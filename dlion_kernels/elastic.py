@@ -244,7 +244,7 @@ class ElasticLion:
             self.manager.start_quorum()
             self.quorum_open = True
 
-    def _agree_in_replica(self, ex, n: int, step: int) -> torch.Tensor:
+    def _agree_in_replica(self, ex, n: int, step: int, device) -> torch.Tensor:
         """The headers every rank of this replica received in its vote, gathered over the
         replica's shard group ([1, L * n, 2]): the ranks of other shard positions saw other
         replicas' flags, and all must decide alike. ``ex`` None (this rank's vote failed): a
@@ -252,7 +252,7 @@ class ElasticLion:
         if ex is not None and ex.works:
             mine = torch.cat([w.header for w in ex.works]).to(torch.int32).contiguous()
         else:
-            mine = torch.zeros(n, HEADER_WORDS, dtype=torch.int32)
+            mine = torch.zeros(n, HEADER_WORDS, dtype=torch.int32, device=device)
         shards = self.sharding.shards
         gathered = torch.empty(shards * mine.numel(), dtype=torch.int32, device=mine.device)
         collective(REPLICA_HEADERS, step, all_gather, gathered, mine.view(-1),
@@ -294,7 +294,7 @@ class ElasticLion:
         agreed, intra = None, 0
         if self.sharding is not None:
             try:  # every rank of the replica takes part, failed or not (matched collectives)
-                agreed = self._agree_in_replica(None if failed else ex, n, step)
+                agreed = self._agree_in_replica(None if failed else ex, n, step, device)
                 intra = (self.sharding.shards - 1) * n * HEADER_WORDS * WORD_BYTES
             except Exception as e:  # a rank of this replica died: this replica's step fails
                 manager.report_error(e)
