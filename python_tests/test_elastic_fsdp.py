@@ -25,11 +25,14 @@ digest of its momentum and its step count as the quorum left them (before the st
 - replica 1's restarted ranks heal per shard position: their first step is at replica 0's step,
   its first quorum left them the momentum (``"peer"``) and step count of the rank at their
   position in replica 0, they end the step bit-identical with it, and they vote again until the
-  end (committed, 2 participants);
+  end (committed, 2 participants, at least 3 steps);
 - bytes per step: between replicas, the wire format's figure for n voters on the rank's local
   elements (2 (n-1)/n d/8 plus the padding of each tensor to 32-element words, exactly the
   all_to_all and all_gather sizes); inside the replica, the header gather: (L - 1) n 2 words.
 
+With ``nonfinite="skip"``, replica 0's rank at shard position 1 puts a NaN into its gradient in
+the second step after the heal: that step commits and is skipped on all four ranks, parameters
+and momenta unchanged (the ranks at position 0 learn it only from their replica's header gather).
 The constructor's checks (a manager made for another shard position, ``group=``) are run inside
 the same processes, before training.
 
@@ -56,7 +59,9 @@ torchft = pytest.importorskip("torchft")
 from test_elastic import _lines, _vote_bytes, _wait_for  # noqa: E402
 
 REPLICAS, SHARDS = 2, 2
-VICTIM, KILL_AT, TARGET = 1, 3, 9
+VICTIM, KILL_AT, TARGET, TOGETHER = 1, 3, 9, 3
+POISONED = 1  # the shard position of replica 0 given a NaN gradient in the second step after
+# the heal
 
 
 def _digest(tensors) -> str:
@@ -136,9 +141,10 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
     fully_shard(model, mesh=mesh)
     if check:
         _checks_at_construction(model, manager, position)
-    opt = dk.DistributedLion(model.parameters(), lr=1e-2, manager=manager, heal_momentum="peer")
+    opt = dk.DistributedLion(model.parameters(), lr=1e-2, manager=manager, heal_momentum="peer",
+                             nonfinite="skip")
     params = list(model.parameters())
-    seen = {"failed": False, "alone": False}
+    seen = {"failed": False, "alone": False, "together": 0, "poisoned": False}
     armed = {"now": False}  # set on both ranks of the replica at the same step (same records)
     if kill:
         _arm_kill(lambda: armed["now"])
@@ -152,11 +158,16 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
         momentum = _digest([opt.state[p]["exp_avg"].to_local() for p in params])
         counts = sorted({opt.state[p]["step"] for p in params})
         model(x).pow(2).mean().backward()
+        if replica == 0 and position == POISONED and seen["together"] == 1 and \
+                not seen["poisoned"]:  # one shard of one replica: every rank must skip
+            seen["poisoned"] = True
+            with torch.no_grad():
+                params[0].grad.to_local().view(-1)[0] = float("nan")
         opt.step()
         s = opt.last_stats
         with torch.no_grad():
             local = [p.to_local() for p in params]  # this rank's shards
-        record = dict(t=time.time(), step=s.manager_step, committed=s.committed,
+        record = dict(t=time.time(), step=s.manager_step, committed=s.committed, skipped=s.skipped,
                       n=s.participants, sent=s.bytes_sent, inter=s.inter_node_bytes_sent,
                       intra=s.intra_node_bytes_sent, shards=s.shards, numel=s.numel,
                       sizes=[t.numel() for t in local], digest=_digest(local),
@@ -164,12 +175,14 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
         lines.write(json.dumps(record) + "\n")
         lines.flush()
         # replica 0 goes on until it has lived through the kill (a step that failed, then one
-        # alone); the same on both ranks of a replica (one quorum, one should_commit)
+        # alone) and then committed TOGETHER steps with the healed replica 1, which stops after
+        # as many: the same on both ranks of a replica (one quorum, one should_commit)
         seen["failed"] |= not record["committed"]
         seen["alone"] |= seen["failed"] and record["committed"] and record["n"] == 1
-        if record["committed"] and record["n"] == REPLICAS and record["step"] >= TARGET and \
-                not kill and (replica == VICTIM or seen["alone"]):  # a victim only dies
-            break
+        both = record["committed"] and record["n"] == REPLICAS
+        seen["together"] += both and (replica == VICTIM or seen["alone"])
+        if not kill and seen["together"] >= TOGETHER and record["step"] >= TARGET:
+            break  # (a victim only dies)
         # die in the step after this replica's first commit with both at KILL_AT or later
         armed["now"] = record["committed"] and record["n"] == REPLICAS and \
             record["step"] >= KILL_AT or armed["now"]
@@ -281,6 +294,16 @@ def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp
         assert first["momentum"] == twin["momentum"] and first["counts"] == twin["counts"]
         assert first["counts"] == [first["step"] - 1]
         assert all(rec["committed"] and rec["n"] == REPLICAS for rec in healed)
+        assert len(healed) >= TOGETHER and healed[-1]["step"] == records[(0, q)][-1]["step"]
+    # the NaN in one shard of one replica: the step commits and is skipped on all four ranks
+    # (the other shard position learns it from the replica's header gather), nothing changes
+    poisoned = {rec["step"] for rs in records.values() for rec in rs if rec["skipped"]
+                and rec["committed"]}
+    assert len(poisoned) == 1, poisoned
+    for (r, q), rs in records.items():
+        k = next(k for k, rec in enumerate(rs) if rec["step"] in poisoned and rec["committed"])
+        assert rs[k]["skipped"] and rs[k]["digest"] == rs[k - 1]["digest"], (r, q)
+        assert rs[k + 1]["momentum"] == rs[k]["momentum"], (r, q)  # nor the momentum
     # bytes: the flat wire figure on the local elements between replicas, headers inside
     numels = set()
     for (r, q), rs in records.items():
