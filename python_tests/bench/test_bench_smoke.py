@@ -23,7 +23,7 @@ def _run(script, out, timeout=180):
 def test_run_all_smoke(tmp_path):
     """The one command: every part into one folder, an index, pytest-benchmark's JSON."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--smoke",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240,
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
