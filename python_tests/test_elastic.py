@@ -26,11 +26,7 @@ A replica that starts late (after the others' first quorum) heals the same way; 
 starts often make one, but the test does not force it.
 
 What is not tested here, and why:
-- an FSDP2 replica group (2 replicas x 2 shards): ``manager=`` runs one process per replica and
-  refuses ``device_mesh`` (``ValueError``). torchft's gloo groups are not what stops it: with a
-  Manager per rank of a replica group, the manager's group of group rank r joins rank r of every
-  replica, the group the sharded exchange would vote in; the sharded step on that group (the
-  exchange on local shards, the shards registered for healing) is not built;
+- an FSDP2 replica group (2 replicas x 2 shards): ``python_tests/test_elastic_fsdp.py``;
 - GPU process groups (torchft's ``ProcessGroupNCCL``): no GPU where the tests run;
 - an asynchronous quorum: refused (``use_async_quorum=True`` raises ``ValueError``, tested below).
 """
