@@ -56,7 +56,9 @@ import pytest
 
 torchft = pytest.importorskip("torchft")
 
-from test_elastic import _lines, _vote_bytes, _wait_for  # noqa: E402
+from test_elastic import _vote_bytes, _wait_for  # noqa: E402
+
+from dlion_kernels.demo.elastic import read_records  # noqa: E402
 
 REPLICAS, SHARDS = 2, 2
 VICTIM, KILL_AT, TARGET, TOGETHER = 1, 3, 9, 3
@@ -209,7 +211,7 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
                                 "torch.distributed.fsdp", "dlion_kernels.elastic",
                                 "dlion_kernels.optim.dlion", "dlion_kernels.kernels.native",
-                                "dlion_kernels.kernels.reference"])
+                                "dlion_kernels.kernels.reference", "dlion_kernels.demo.elastic"])
     go = ctx.Event()
 
     def process(replica, position, start, restart):
@@ -228,11 +230,11 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
             firsts[(VICTIM, q)].join(timeout=240)
             assert firsts[(VICTIM, q)].exitcode == -signal.SIGKILL, "replica 1 was to die"
         died = time.time()
-        before = {q: len(_lines(path(VICTIM, q))) for q in range(SHARDS)}
+        before = {q: len(read_records(path(VICTIM, q))) for q in range(SHARDS)}
 
         def went_on():  # replica 0 committed a step alone after the death
             return all(any(r["committed"] and r["n"] == 1 and r["t"] > died
-                           for r in _lines(path(0, q))) for q in range(SHARDS))
+                           for r in read_records(path(0, q))) for q in range(SHARDS))
 
         _wait_for("replica 0 stepping alone", went_on, procs, limit=240)
         go.set()
@@ -247,7 +249,7 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
                 p.join()
         house.shutdown()
     assert codes == [0] * len(codes), f"replica 0 and the restarted replica 1 must end: {codes}"
-    records = {(r, q): _lines(path(r, q)) for r in range(REPLICAS) for q in range(SHARDS)}
+    records = {(r, q): read_records(path(r, q)) for r in range(REPLICAS) for q in range(SHARDS)}
     return records, before, died
 
 
