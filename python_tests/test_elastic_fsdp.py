@@ -201,7 +201,9 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
     from torchft.coordination import LighthouseServer
 
     tmp = str(tmp_path)
-    house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    # a join timeout of 4 s, as test_elastic.py: at 1 s a loaded machine lets a slow replica
+    # miss quorum after quorum
+    house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=4000)
     # one store per replica and start (a restart gets a fresh one: no stale keys), kept here so
     # that a store outlives its replica's processes
     stores = {(r, k): TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
