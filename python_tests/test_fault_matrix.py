@@ -6,9 +6,9 @@ step can raise -- a second backward, a non-finite gradient, ranks on different s
 on one rank found after buckets were sent -- leaves no collective pending on any group the
 library made. Each case then builds a NEW optimizer on the same process group, steps, and checks
 that every rank holds bit-identical parameters; the processes exit 0 (``run_workers`` fails
-otherwise). Before the fix, a second backward with ``overlap=True`` left the gathers of the given
-up exchange pending on the overlap's second group, and the next optimizer's first step aborted a
-rank (gloo: "Received data size doesn't match expected size").
+otherwise). A second backward with ``overlap=True`` once left the gathers of the given up
+exchange pending on a group the overlap had made for them, and the next optimizer's first step
+aborted a rank (gloo: "Received data size doesn't match expected size").
 
 The fault matrix (one launch per fault, since a rank dies): on a 2 x 2 FSDP2 mesh a rank is
 killed or stalled at each collective of a step, with overlap on and off; every survivor raises

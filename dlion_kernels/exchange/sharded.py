@@ -108,9 +108,6 @@ class Sharding:
     shard: object  # process group of the L ranks of this rank's replica (the parameters' mesh)
     replicas: int  # N
     shards: int  # L
-    # every replicate group's ranks (group rank order), one per shard position: the family that
-    # makes the overlap's second groups together (``pipeline.companion``); () when unknown
-    replicate_family: tuple = ()
 
     def momentum_placements(self, param) -> list:
         """The momentum's placements: Shard(0) over replicate, the parameter's Shard(d) as
@@ -296,10 +293,7 @@ def _from_mesh(device_mesh, shard_mesh, shard_group, L) -> Sharding:
             f"fully_shard(module, mesh=device_mesh['{SHARD}']) and name the dims "
             f"('{REPLICATE}', '{SHARD}') (else the first dim is replicate)")
     N = device_mesh.size(rep)
-    grid = device_mesh.mesh if rep == 0 else device_mesh.mesh.transpose(0, 1)  # [N, L]
-    family = tuple(tuple(grid[:, j].tolist()) for j in range(grid.shape[1]))
-    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L,
-                    family)
+    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L)
 
 
 def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
@@ -335,8 +329,7 @@ def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
 
     mesh = DeviceMesh.from_group([group, shard_group], shard_mesh.device_type, mesh=rows,
                                  mesh_dim_names=(REPLICATE, SHARD))
-    family = tuple(tuple(rows[:, j].tolist()) for j in range(L))
-    return Sharding(mesh, 0, 1, group, shard_group, N, L, family)
+    return Sharding(mesh, 0, 1, group, shard_group, N, L)
 
 
 # ----------------------------------------------------------------------------- the decision

@@ -20,7 +20,7 @@ from ..exchange.checks import (
 from ..exchange.collectives import DistributedStepError, as_timedelta
 from ..exchange.copying import Copyable, attached_group
 from ..exchange.header import StepMismatchError
-from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion, resolve_group
+from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, resolve_group
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -620,11 +620,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                       group=group, backend=self.backend, step=step,
                                       nonfinite=self.nonfinite, found_inf=self._found_inf,
                                       streams=self._streams, timeout=timeout,
-                                      gather_group=companion(
-                                          group, device, step,
-                                          family=self._sharding.replicate_family
-                                          if self._sharding is not None else None)
-                                      if overlapped else None,
                                       segments=self._segments, late=overlapped)
             self._exchange.explainer = agree.explain_step  # one error on every rank
             self._exchanged = set()
