@@ -108,6 +108,7 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
+    from dlion_kernels.demo.elastic import end_replica, read_records
 
     torch.set_num_threads(1)
     lines = open(cfg["out"].format(index), "a")
@@ -167,7 +168,7 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     write(event="ready")
     if not restart:  # the first quorum together: a replica late by more than the join timeout
         # would start a quorum of its own, and quorums of 2 would alternate from then on
-        while not all(any(r.get("event") == "ready" for r in _lines(cfg["out"].format(i)))
+        while not all(any(r.get("event") == "ready" for r in read_records(cfg["out"].format(i)))
                       for i in range(REPLICAS)):
             time.sleep(0.05)
     while True:
@@ -203,16 +204,7 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
               loss=loss.item())
         if committed and manager.current_step() >= cfg["steps"] and n == REPLICAS:
             break
-    lines.close()
-    manager.shutdown(wait=False)
-    os._exit(0)  # torchft's threads: leave at once
-
-
-def _lines(path) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    end_replica(lines, manager)
 
 
 class Local:
@@ -252,6 +244,8 @@ class Shaped:
 
 def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     """One variant through the failure on ``net``; returns the row (``measure``)."""
+    from dlion_kernels.demo.elastic import read_records
+
     run_dir = os.path.join(tmp, label)
     os.makedirs(run_dir)
     cfg = dict(variant=variant, addrs=net.addrs, namespaces=net.namespaces, dim=args.dim,
@@ -315,7 +309,7 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
                  f"{procs[f'replica{VICTIM}'].returncode}")
         survivors = [i for i in range(REPLICAS) if i != VICTIM]
         wait("the survivors' steps", lambda: all(
-            any(r.get("committed") and r["step"] >= args.restart_at for r in _lines(path(i)))
+            any(r.get("committed") and r["step"] >= args.restart_at for r in read_records(path(i)))
             for i in survivors), args.timeout)
         go_t = time.time()
         open(cfg["go_file"], "w").close()
@@ -336,7 +330,7 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
         for log in logs:
             log.close()
     after = [net.counters(k) for k in range(REPLICAS)]
-    records = [_lines(path(i)) for i in range(REPLICAS)]
+    records = [read_records(path(i)) for i in range(REPLICAS)]
     row = measure(variant, records, go_t, args)
     row.update(load_start=load_start, load_end=_load(), shaper=net.shaper)
     if before[0] is not None:

@@ -78,6 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (adds the repository root to sys.path)
 import torch  # noqa: E402
 
+from dlion_kernels import accounting  # noqa: E402
 from dlion_kernels.kernels import backends as dk_backends  # noqa: E402
 from dlion_kernels.kernels.layout import aggregate_planes, block_offsets  # noqa: E402
 
@@ -129,26 +130,27 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def bytes_per_elt(op: str, dtype: torch.dtype) -> float:
-    """Bytes per element the variant must move (see the module docstring)."""
+    """Bytes per element the variant must move (see the module docstring): the stage counts of
+    ``dlion_kernels.accounting`` with x and g in ``dtype``."""
     xs = gs = dtype_bytes(dtype)
-    local = gs + 4 + 1 / 8  # kernel stages v2: m is read here and written by apply
-    update = 2 * xs + gs + 8  # apply: x read + written, g read, m read + written
+    avg, ter = (aggregate_planes("average", votes, N_TALLY) for votes in ("binary", "ternary"))
     if op == "local_step":
-        return local
+        return accounting.local_step_bytes(gs)
     if op == "tally vote n=8":
-        return N_TALLY / 8 + 1 / 8
+        return accounting.tally_bytes(N_TALLY)
     if op == "tally avg n=8":
-        return N_TALLY / 8 + aggregate_planes("average", "binary", N_TALLY) / 8
+        return accounting.tally_bytes(N_TALLY, avg)
     if op == "apply vote":
-        return update + 1 / 8
+        return accounting.apply_bytes(xs, gs)
     if op == "apply avg/bin n=8":
-        return update + aggregate_planes("average", "binary", N_TALLY) / 8
+        return accounting.apply_bytes(xs, gs, avg)
     if op == "apply avg/ter n=8":
-        return update + aggregate_planes("average", "ternary", N_TALLY) / 8
+        return accounting.apply_bytes(xs, gs, ter)
     if op in ("step", PEER_UNFUSED):
-        return local + (1 / 8 + 1 / 8) + (update + 1 / 8)
+        return (accounting.local_step_bytes(gs) + accounting.tally_bytes()
+                + accounting.apply_bytes(xs, gs))
     if op in (PEER_LION, PEER_FOREACH):
-        return 2 * xs + gs + 8
+        return accounting.apply_bytes(xs, gs, planes=0)
     raise ValueError(op)
 
 

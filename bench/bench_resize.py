@@ -57,21 +57,25 @@ def _accuracy(model, data):
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def _phase(rank, n, args, ckpt, phase, rule):
-    """Phase A (train, save) or B (load by ``rule``, train on); rank 0 returns losses and
-    accuracy."""
+def _phase(rank, n, args, ckpt, phase, rules):
+    """Phase A (train, save) or B (for each of ``rules`` in turn: a fresh model and optimizer,
+    loaded by that rule, trained on); rank 0 returns losses and accuracy (a list in phase B)."""
     import dlion_kernels as dk
     from dlion_kernels.demo.digits import load_digits, make_model
 
     data = load_digits(0)
-    model = make_model(args.hidden, 0)
-    opt = dk.DistributedLion(model.parameters(), lr=args.lr, weight_decay=1e-2)
     if phase == "A":
+        model = make_model(args.hidden, 0)
+        opt = dk.DistributedLion(model.parameters(), lr=args.lr, weight_decay=1e-2)
         losses = _train(rank, n, model, opt, data, args.steps_before, args.batch, 0)
         if rank == 0:
             torch.save(model.state_dict(), os.path.join(ckpt, "model.pt"))
         dk.save_state(opt, ckpt)
-    else:
+        return dict(losses=losses, accuracy=_accuracy(model, data)) if rank == 0 else None
+    out = []
+    for rule in rules:  # one launch per rank count: the rules share its processes
+        model = make_model(args.hidden, 0)
+        opt = dk.DistributedLion(model.parameters(), lr=args.lr, weight_decay=1e-2)
         model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt")))
         if rule == "mean":
             dk.load_state(opt, ckpt)
@@ -79,11 +83,12 @@ def _phase(rank, n, args, ckpt, phase, rule):
             manifest = dk.checkpoint.read_manifest(ckpt)
             opt.load_state_dict(torch.load(os.path.join(ckpt, manifest["files"][0]["file"])))
         losses = _train(rank, n, model, opt, data, args.steps_after, args.batch, 1000)
-    return dict(losses=losses, accuracy=_accuracy(model, data)) if rank == 0 else None
+        out.append(dict(losses=losses, accuracy=_accuracy(model, data)))
+    return out if rank == 0 else None
 
 
-def _run(n, args, ckpt, phase, rule):
-    return common.run_ranks(n, _phase, args, ckpt, phase, rule, timeout=3600)[0]
+def _run(n, args, ckpt, phase, rules=None):
+    return common.run_ranks(n, _phase, args, ckpt, phase, rules, timeout=3600)[0]
 
 
 def _mean(xs):
@@ -113,10 +118,9 @@ def main(argv=None):
         before = _run(args.old, args, ckpt, "A", None)
         ref = _mean(before["losses"][-w:])
         for n_new in args.new:
-            for rule in ("mean", "rank0", "zero"):
-                if n_new == args.old and rule == "rank0":
-                    continue
-                res = _run(n_new, args, ckpt, "B", rule)
+            rules = [r for r in ("mean", "rank0", "zero") if not (n_new == args.old
+                                                                 and r == "rank0")]
+            for rule, res in zip(rules, _run(n_new, args, ckpt, "B", rules)):
                 after = res["losses"]
                 rows.append(dict(n_old=args.old, n_new=n_new, rule=rule,
                                  loss_before=ref, loss_first=_mean(after[:w]),

@@ -27,11 +27,31 @@ from __future__ import annotations
 
 import math
 
-# D-Lion's fused stages, bytes of memory traffic per fp32 element (kernel stages v2)
+# D-Lion's fused stages, bytes of memory traffic per element (kernel stages v2); the momentum
+# is fp32 whatever the parameters' dtype
 _F32, _BIT = 4, 1 / 8
-LOCAL_STEP_BYTES = _F32 + _F32 + _BIT  # g, m read; the vote bit written
-TALLY_BYTES = _BIT + _BIT  # one voter: its vote plane read, the aggregate plane written
-APPLY_BYTES = 2 * _F32 + _F32 + 2 * _F32 + _BIT  # x, m read and written; g, aggregate read
+
+
+def local_step_bytes(grad_bytes: float = _F32) -> float:
+    """The local step, per element: g (``grad_bytes``) and m read, the vote bit written."""
+    return grad_bytes + _F32 + _BIT
+
+
+def tally_bytes(voters: int = 1, planes: int = 1) -> float:
+    """The tally, per element: each voter's vote plane read, ``planes`` aggregate planes
+    written."""
+    return (voters + planes) * _BIT
+
+
+def apply_bytes(param_bytes: float = _F32, grad_bytes: float = _F32, planes: int = 1) -> float:
+    """Apply, per element: x (``param_bytes``) and m read and written, g (``grad_bytes``) read,
+    ``planes`` aggregate planes read (0: torch's own Lion step, which reads no vote)."""
+    return 2 * param_bytes + grad_bytes + 2 * _F32 + planes * _BIT
+
+
+LOCAL_STEP_BYTES = local_step_bytes()  # 8.125
+TALLY_BYTES = tally_bytes()  # 0.25: one voter
+APPLY_BYTES = apply_bytes()  # 20.125
 STEP_BYTES = LOCAL_STEP_BYTES + TALLY_BYTES + APPLY_BYTES  # 28.5: one whole D-Lion step
 X_ONLY_APPLY_BYTES = 2 * _F32 + _BIT  # apply without momentum: x read and written, aggregate
 

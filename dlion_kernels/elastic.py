@@ -37,11 +37,26 @@ Momentum on heal (``heal_momentum``, the same on every replica; default ``"own"`
   alike for about 1 / (1 - beta2) steps.
 - ``"zero"``: zero, whatever the replica had.
 
+A replica may be one FSDP2 shard group (torchft's HSDP layout): each replica is its own
+torch.distributed job of L ranks that ``fully_shard`` the model over their default group, and
+each rank has its own Manager with ``rank`` = its position in that shard group and
+``world_size`` = L. torchft's process group of group rank r then joins rank r of every live
+replica: the ranks holding the same shard, which vote it between them (the exchange on the local
+shards, n = the step's replicas). Every rank of a replica opens the quorum (the replica's
+ManagerServer waits for all of them); after the vote the replica's ranks gather each other's
+received headers over their shard group (two words per replica each, inside the replica), so a
+non-finite gradient anywhere skips (or raises) alike on every rank of every replica; then
+``should_commit``, which torchft makes the same on all ranks of a replica. Healing is per group
+rank: a rank gets its own shard's parameters, step and (``"peer"``) momentum from the rank at
+its position in a live replica. No collective of a step runs over more than the manager's group
+and the replica's own shard group, so a dead replica stalls nothing but the step in flight.
+
 Limits: ``use_async_quorum=False`` (an asynchronous quorum lets a healing replica into the step's
-collectives before it has healed, and a 1-bit vote cannot abstain); one process per replica with
-flat parameters (no ``overlap``, ``hierarchy``, ``device_mesh`` or ``group``); DiLoCo without
-``overlap_steps``. ``import dlion_kernels`` never imports torchft: it is imported here, when a
-manager is passed.
+collectives before it has healed, and a 1-bit vote cannot abstain); no ``overlap``,
+``hierarchy`` or ``group``; FSDP2 parameters sharded over the replica's own ranks (``device_mesh``
+None or that 1-D mesh: the replicas are torchft's, not a mesh dimension); DiLoCo with one process
+per replica and without ``overlap_steps``. ``import dlion_kernels`` never imports torchft: it is
+imported here, when a manager is passed.
 """
 
 from __future__ import annotations
@@ -52,14 +67,17 @@ import torch
 import torch.distributed as dist
 
 from .decentralized.wrapper import gossip_bytes_per_step
+from .exchange import sharded
 from .exchange.checks import check_hyperparameters, check_tensors
 from .exchange.collectives import collective
-from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats
-from .kernels.layout import block_offsets
+from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats, all_gather
+from .kernels.layout import HEADER_WORDS, WORD_BYTES, block_offsets
 from .local_steps import fragments as frag
 
 HEAL_MOMENTUM = ("own", "peer", "zero")
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
+# the gather of the vote's headers inside an FSDP2 replica (errors and fault tests)
+REPLICA_HEADERS = "all_gather(replica headers)"
 
 
 @dataclass(frozen=True)
@@ -67,11 +85,18 @@ class ElasticStepStats(StepStats):
     """A ``StepStats`` of a step run on torchft's quorum: ``world_size`` (and ``participants``)
     is the step's number of participating replicas, ``committed`` what ``should_commit`` said
     (False: nothing was applied on this replica, ``skipped`` is True), ``manager_step`` the
-    manager's step count after it."""
+    manager's step count after it. ``numel`` counts this rank's elements (its local shards on
+    an FSDP2 replica group). ``bytes_sent`` is the total: the vote between replicas
+    (``inter_node_bytes_sent``: the flat wire figure for ``numel`` elements and n replicas) plus,
+    on a replica of ``shards`` > 1 ranks, the headers gathered inside the replica
+    (``intra_node_bytes_sent``)."""
 
     participants: int = 0
     committed: bool = False
     manager_step: int = 0
+    inter_node_bytes_sent: int = 0
+    intra_node_bytes_sent: int = 0
+    shards: int = 1
 
 
 def check_manager(manager) -> None:
@@ -150,34 +175,89 @@ def _copy_into(targets, saved, what: str) -> None:
 # ----------------------------------------------------------------------------- DistributedLion
 
 
+def replica_sharding(params, device_mesh, manager) -> sharded.Sharding:
+    """The ``Sharding`` of FSDP2 parameters whose replica is one shard group (module docstring):
+    sharded over this replica's own ranks, with ``manager`` made for this rank's position in
+    that group. ValueError otherwise."""
+    sharding = sharded.resolve(params, device_mesh, None)
+    if sharding.replicas != 1:
+        raise ValueError(
+            f"manager= with FSDP2 parameters: a replica is one shard group and the replicas are "
+            f"torchft's replica groups, but device_mesh holds {sharding.replicas} replicas; pass "
+            "device_mesh=None (or the 1-D mesh the parameters are sharded over) and start each "
+            "replica as its own torch.distributed job")
+    position = params[0].device_mesh.get_local_rank()
+    # the Manager keeps its group rank and size only as attributes (torchft has no getter)
+    rank = getattr(manager, "_group_rank", position)
+    size = getattr(manager, "_group_world_size", sharding.shards)
+    if (rank, size) != (position, sharding.shards):
+        raise ValueError(
+            f"manager must be made with rank={position} and world_size={sharding.shards} (this "
+            f"rank's position in its replica's shard group and the group's size), got rank={rank}"
+            f", world_size={size}: the manager's process group of group rank r joins the ranks "
+            "that hold the same shard in every replica, the voters of that shard")
+    return sharding
+
+
 class ElasticLion:
     """``DistributedLion(..., manager=)``'s steps (module docstring)."""
 
     def __init__(self, opt, manager, heal_momentum: str = "own"):
         check_manager(manager)
         check_heal_momentum(heal_momentum)
-        if opt.overlap or opt.ranks_per_node > 1 or opt.sharded or opt.group is not None:
-            raise ValueError("manager= runs flat parameters on the manager's process group: it "
-                             "does not combine with overlap=True, hierarchy, device_mesh or group")
+        if opt.overlap or opt.ranks_per_node > 1 or opt.group is not None:
+            raise ValueError("manager= votes over the manager's process group: it does not "
+                             "combine with overlap=True, hierarchy or group")
+        self.sharding = None  # FSDP2: the replica's shard group (module docstring)
+        if opt.sharded:
+            self.sharding = replica_sharding(self._all(opt), opt.device_mesh, manager)
         self.opt, self.manager, self.heal_momentum = opt, manager, heal_momentum
         self.quorum_open = False
         self.key = _register(manager, "dlion_kernels.DistributedLion", self._load, self._save)
 
+    @staticmethod
+    def _all(opt) -> list:
+        return [p for g in opt.param_groups for p in g["params"]]
+
     def _params(self) -> list:
         return [p for g in self.opt.param_groups for p in g["params"] if p.requires_grad]
 
+    def _local(self, t):
+        """What this rank steps of ``t``: its local shard on an FSDP2 replica, else ``t``."""
+        return sharded.own_shard(t) if self.sharding is not None else t
+
     def _momentum(self, p):
+        """The momentum of ``p`` this rank steps (the local piece of an FSDP2 momentum, laid out
+        as ``DistributedLion`` keeps it with one replica per mesh), created zero if missing."""
         state = self.opt.state[p]
         if "exp_avg" not in state:
             state["step"] = state.get("step", 0)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return state["exp_avg"]
+            state["exp_avg"] = (
+                self.sharding.zero_momentum(p) if self.sharding is not None
+                else torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+        m = state["exp_avg"]
+        return sharded.momentum_local(m) if self.sharding is not None else m
 
     def start_quorum(self) -> None:
         """This step's quorum (once per step; healing happens here)."""
         if not self.quorum_open:
             self.manager.start_quorum()
             self.quorum_open = True
+
+    def _agree_in_replica(self, ex, n: int, step: int, device) -> torch.Tensor:
+        """The headers every rank of this replica received in its vote, gathered over the
+        replica's shard group ([1, L * n, 2]): the ranks of other shard positions saw other
+        replicas' flags, and all must decide alike. ``ex`` None (this rank's vote failed): a
+        header of zeros keeps the group's collectives matched (the step will not commit)."""
+        if ex is not None and ex.works:
+            mine = torch.cat([w.header for w in ex.works]).to(torch.int32).contiguous()
+        else:
+            mine = torch.zeros(n, HEADER_WORDS, dtype=torch.int32, device=device)
+        shards = self.sharding.shards
+        gathered = torch.empty(shards * mine.numel(), dtype=torch.int32, device=mine.device)
+        collective(REPLICA_HEADERS, step, all_gather, gathered, mine.view(-1),
+                   self.sharding.shard, timeout=getattr(self.opt, "timeout", None))
+        return gathered.view(1, -1, HEADER_WORDS)
 
     def step(self) -> None:
         opt, manager = self.opt, self.manager
@@ -190,44 +270,57 @@ class ElasticLion:
             seg = Segment([], [], [], float(g["lr"]), beta1, beta2, float(g["weight_decay"]))
             segments.append(seg)
             rows += [(p, seg) for p in g["params"] if p.requires_grad]
-        grads = [p.grad for p, _ in rows]
+        local = [self._local(p) for p, _ in rows]
+        grads = [self._local(p.grad) for p, _ in rows]
         momenta = [self._momentum(p) for p, _ in rows]
-        check_tensors([p for p, _ in rows], grads, momenta)  # bad input raises on every replica
+        check_tensors(local, grads, momenta)  # bad input raises on every replica
         step = manager.current_step()  # the same on every participant after the quorum
         group = _quorum_group(manager)
-        device = params[0].device if params else torch.device("cpu")
+        n = group.n
+        device = local[0].device if local else torch.device("cpu")
         ex, failed = None, manager.errored() is not None
         if not failed:
             try:
                 ex = Exchange(device=device, mode=opt.mode, votes=opt.votes, group=group,
                               backend=opt.backend, step=step, nonfinite=opt.nonfinite,
                               timeout=getattr(opt, "timeout", None))
-                offsets, blocks = block_offsets(p.numel() for p, _ in rows)
-                ex.add([ex.row(p, g, m, off, seg) for (p, seg), g, m, off
-                        in zip(rows, grads, momenta, offsets)], blocks)
+                offsets, blocks = block_offsets(t.numel() for t in local)
+                ex.add([ex.row(p, g, m, off, seg) for p, (_, seg), g, m, off
+                        in zip(local, rows, grads, momenta, offsets)], blocks)
                 ex.abandon()  # every collective of the step is done; nothing applied yet
             except Exception as e:  # a peer died: the step is dropped everywhere, not raised
+                manager.report_error(e)
+                failed = True
+        agreed, intra = None, 0
+        if self.sharding is not None:
+            try:  # every rank of the replica takes part, failed or not (matched collectives)
+                agreed = self._agree_in_replica(None if failed else ex, n, step, device)
+                intra = (self.sharding.shards - 1) * n * HEADER_WORDS * WORD_BYTES
+            except Exception as e:  # a rank of this replica died: this replica's step fails
                 manager.report_error(e)
                 failed = True
         committed = manager.should_commit()
         stats = None
         if committed and not failed:
-            stats = ex.finish()  # the apply (raises NonFiniteGradientError alike everywhere)
+            # the apply (raises NonFiniteGradientError alike everywhere)
+            stats = ex.finish(agree=None if agreed is None else lambda headers, word: agreed)
         for p in params:
             self.opt.state[p]["step"] = manager.current_step()
-        n = group.n
-        base = stats or StepStats(ex.sent if ex else 0, ex.sent if ex else 0,
-                                  sum(p.numel() for p in params), n, opt.mode, opt.votes,
+        numel = sum(t.numel() for t in local)
+        sent = ex.sent if ex else 0
+        base = stats or StepStats(sent, sent, numel, n, opt.mode, opt.votes,
                                   ex.backend if ex else "none", skipped=True)
         opt.last_stats = ElasticStepStats(
-            base.bytes_sent, base.bytes_received, base.numel, n, base.mode, base.votes,
-            base.backend, skipped=base.skipped or not committed, buckets=base.buckets,
-            participants=n, committed=committed and not failed,
-            manager_step=manager.current_step())
+            base.bytes_sent + intra, base.bytes_received + intra, numel, n, base.mode,
+            base.votes, base.backend, skipped=base.skipped or not committed,
+            buckets=base.buckets, participants=n, committed=committed and not failed,
+            manager_step=manager.current_step(), inter_node_bytes_sent=base.bytes_sent,
+            intra_node_bytes_sent=intra,
+            shards=self.sharding.shards if self.sharding is not None else 1)
 
     def _save(self) -> dict:
         params = self._params()
-        out = {"params": [p.detach().clone() for p in params],
+        out = {"params": [self._local(p).detach().clone() for p in params],
                "step": max((self.opt.state[p].get("step", 0) for p in params), default=0)}
         if self.heal_momentum == "peer":
             out["exp_avg"] = [self._momentum(p).clone() for p in params]
@@ -235,7 +328,7 @@ class ElasticLion:
 
     def _load(self, saved: dict) -> None:
         params = self._params()
-        _copy_into(params, saved["params"], "parameters")
+        _copy_into([self._local(p) for p in params], saved["params"], "parameters")
         if self.heal_momentum == "peer":
             _copy_into([self._momentum(p) for p in params], saved["exp_avg"], "momenta")
         elif self.heal_momentum == "zero":
@@ -389,4 +482,4 @@ class ElasticDiLoCo:
 
 
 __all__ = ["ElasticStepStats", "ElasticSyncStats", "ManagerGroup", "ElasticLion", "ElasticDiLoCo",
-           "HEAL_MOMENTUM"]
+           "HEAL_MOMENTUM", "REPLICA_HEADERS", "replica_sharding"]

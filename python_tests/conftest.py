@@ -58,6 +58,32 @@ def pytest_terminal_summary(terminalreporter):
     slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
     for path, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  all {len(_FILE_SECONDS)} "
+                                "files (summed over workers)")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's default): one worker more than the cores. The gloo tests' ranks
+    spend part of their time waiting on each other and on timeouts, which a third worker fills
+    on two cores."""
+    return (os.cpu_count() or 1) + 1
+
+
+# The longest files start first: the workers take whole files in collection order, and a long
+# file that starts last keeps one worker busy alone at the end. Paths relative to this folder.
+LONGEST_FIRST = ("kernels/test_native.py", "kernels/test_backends.py", "demo/test_digits.py",
+                 "exchange/test_step.py", "exchange/test_step_distributed.py",
+                 "optim/test_fsdp.py", "test_fault_matrix.py", "test_checkpoint.py",
+                 "optim/test_dlion_overlap_failures.py", "exchange/test_step_failures.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    def first(item):
+        rel = os.path.relpath(str(item.path), _HERE).replace(os.sep, "/")
+        return LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=first)  # stable: each file's own order, and the other files', are kept
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -222,13 +222,41 @@ def _replay(out_dir, n):
                 stream.flush()
 
 
+def _start(n: int, job: dict, payload: bytes, first_wait: float | None):
+    """Send one run to the server: a server not yet ready is waited for up to ``first_wait`` s
+    (its imports; RuntimeError if it does not come up), and one that died between two runs is
+    replaced once. Returns (server, answer): the server now in use and its answer to the run,
+    ``("started", pids)`` or whatever else it said (None for nothing); the caller decides what
+    a run that did not start means."""
+    server = _get_server()
+    if not server.ready:  # the first run waits for its imports
+        msg = server.recv(first_wait)
+        if msg is None or msg[0] != "ready":
+            raise RuntimeError(f"the rank server did not start: {msg!r}")
+        server.ready = True
+    msg = None
+    for _ in range(2):  # a server that died between two runs is replaced once
+        try:
+            server.conn.send(("run", n, job, payload))
+            msg = server.recv(_GRACE)
+        except OSError:
+            msg = None
+        if msg is not None or server.proc.is_alive():
+            break
+        server = _get_server()
+        msg = server.recv(600.0)  # its imports
+        server.ready = msg is not None and msg[0] == "ready"
+        if not server.ready:
+            break
+    return server, msg
+
+
 def run(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> list:
     """``fn(rank, n, *args)`` on n ranks forked from the server, joined by a gloo process group
     (a file store in a fresh temporary directory); returns the n results in rank order."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     payload = pickle.dumps((fn, args))  # by value (tensors copied), loaded only by the ranks
-    server = _get_server()
     end = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as tmp:
         job = dict(env=dict(os.environ), sys_path=list(sys.path), cwd=os.getcwd(),
@@ -239,25 +267,8 @@ def run(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> li
         broken = None  # why the server was given up
         told = False  # whether the server was told to kill the ranks still running
         try:
-            if not server.ready:  # the first run waits for its imports
-                msg = server.recv(None if end is None else max(end - time.monotonic(), 0) + 600)
-                if msg is None or msg[0] != "ready":
-                    raise RuntimeError(f"the rank server did not start: {msg!r}")
-                server.ready = True
-            msg = None
-            for _ in range(2):  # a server that died between two runs is replaced once
-                try:
-                    server.conn.send(("run", n, job, payload))
-                    msg = server.recv(_GRACE)
-                except OSError:
-                    msg = None
-                if msg is not None or server.proc.is_alive():
-                    break
-                server = _get_server()
-                msg = server.recv(600.0)  # its imports
-                server.ready = msg is not None and msg[0] == "ready"
-                if not server.ready:
-                    break
+            server, msg = _start(n, job, payload,
+                                 None if end is None else max(end - time.monotonic(), 0) + 600)
             if msg is None or msg[0] != "started":
                 broken = f"the rank server did not start the ranks ({msg!r})"
                 killed = set(range(n))
@@ -319,29 +330,13 @@ def run_bare(n: int, fn, *args, done, deadline: float) -> dict:
     ``done()`` is true, when every rank has ended, or after ``deadline`` seconds, killing the
     ranks still running; the result is {rank: exit code, or None for a rank that was killed}."""
     payload = pickle.dumps((fn, args))
-    server = _get_server()
     end = time.monotonic() + deadline
     with tempfile.TemporaryDirectory() as tmp:
         job = dict(env=dict(os.environ), sys_path=list(sys.path), cwd=os.getcwd(), store=None,
                    out_dir=tmp, threads=1, bare=True)
         codes: dict = {}
         try:
-            if not server.ready:
-                msg = server.recv(600.0)
-                if msg is None or msg[0] != "ready":
-                    raise RuntimeError(f"the rank server did not start: {msg!r}")
-                server.ready = True
-            for _ in range(2):  # a server that died between two runs is replaced once
-                try:
-                    server.conn.send(("run", n, job, payload))
-                    msg = server.recv(_GRACE)
-                except OSError:
-                    msg = None
-                if msg is not None or server.proc.is_alive():
-                    break
-                server = _get_server()
-                msg = server.recv(600.0)  # its imports
-                server.ready = msg is not None and msg[0] == "ready"
+            server, msg = _start(n, job, payload, 600.0)
             if msg is None or msg[0] != "started":
                 raise RuntimeError(f"the rank server did not start the ranks ({msg!r})")
             while len(codes) < n and not done() and time.monotonic() < end:

@@ -186,7 +186,7 @@ class RingBytes:
                 sent = round(2 * (p - 1) / p * nbytes)
             else:
                 sent = nbytes * (p - 1) // p
-            # the replicate group, or the overlap's second group on the same ranks
+            # the replicate group (by its ranks)
             if group is not None and dist.get_process_group_ranks(group) == \
                     dist.get_process_group_ranks(self.replicate):
                 self.inter += sent

@@ -26,11 +26,7 @@ A replica that starts late (after the others' first quorum) heals the same way; 
 starts often make one, but the test does not force it.
 
 What is not tested here, and why:
-- an FSDP2 replica group (2 replicas x 2 shards): ``manager=`` runs one process per replica and
-  refuses ``device_mesh`` (``ValueError``). torchft's gloo groups are not what stops it: with a
-  Manager per rank of a replica group, the manager's group of group rank r joins rank r of every
-  replica, the group the sharded exchange would vote in; the sharded step on that group (the
-  exchange on local shards, the shards registered for healing) is not built;
+- an FSDP2 replica group (2 replicas x 2 shards): ``python_tests/test_elastic_fsdp.py``;
 - GPU process groups (torchft's ``ProcessGroupNCCL``): no GPU where the tests run;
 - an asynchronous quorum: refused (``use_async_quorum=True`` raises ``ValueError``, tested below).
 """
@@ -48,6 +44,8 @@ from datetime import timedelta
 import pytest
 
 torchft = pytest.importorskip("torchft")
+
+from dlion_kernels.demo.elastic import end_replica, read_records  # noqa: E402
 
 REPLICAS = 3
 D = 984  # elements of the tiny model: Linear(40, 24) with its bias
@@ -137,8 +135,7 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
             break
         if record["n"] < REPLICAS:
             time.sleep(0.02)  # waiting for the restart: leave it the CPU
-    lines.close()
-    manager.shutdown(wait=False)
+    end_replica(lines, manager, leave=False)  # the next phase runs in this process
 
 
 def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
@@ -161,13 +158,6 @@ def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
     os._exit(0)  # torchft's threads: leave at once
 
 
-def _lines(path) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
 def _wait_for(what, condition, procs, limit=150.0) -> None:
     end = time.monotonic() + limit
     while not condition():
@@ -185,7 +175,11 @@ def _run(phases, tmp_path) -> dict:
     from torchft.coordination import LighthouseServer
 
     tmp = str(tmp_path)
-    houses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000)
+    # the join timeout: how long a quorum that has min_replicas waits for the others. At 1 s a
+    # replica slowed by a loaded machine misses a quorum and starts the next one with another,
+    # and quorums of 2 alternate from then on; 4 s keeps the 3 together (the survivors' first
+    # quorum after a kill waits at most that long for the dead replica)
+    houses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=4000)
               for _ in phases]
     plan = [(kind, h.address(), victims, kill_at, target)
             for (kind, victims, kill_at, target), h in zip(phases, houses)]
@@ -197,7 +191,7 @@ def _run(phases, tmp_path) -> dict:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
                                 "dlion_kernels.elastic", "dlion_kernels.optim.dlion",
                                 "dlion_kernels.local_steps.diloco", "dlion_kernels.kernels.native",
-                                "dlion_kernels.kernels.reference"])
+                                "dlion_kernels.kernels.reference", "dlion_kernels.demo.elastic"])
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
     restarts = {(p, v): ctx.Process(target=_replica, args=(v, plan, p, tmp, gos[p]))
@@ -214,12 +208,12 @@ def _run(phases, tmp_path) -> dict:
             for v in victims:
                 current[v].join(timeout=150)
                 assert current[v].exitcode == -signal.SIGKILL, f"{kind}: replica {v} was to die"
-                before[-1][v] = len(_lines(path(kind, v)))
+                before[-1][v] = len(read_records(path(kind, v)))
             others = [i for i in range(REPLICAS) if i not in victims]
 
             def went_on(kind=kind, others=others):
                 return all(any(r["committed"] and r["n"] == 2 if len(others) == 2 else
-                               not r["committed"] for r in _lines(path(kind, i)))
+                               not r["committed"] for r in read_records(path(kind, i)))
                            for i in others)
 
             _wait_for(f"{kind}: the survivors' steps", went_on, procs)
@@ -237,7 +231,7 @@ def _run(phases, tmp_path) -> dict:
         for h in houses:
             h.shutdown()
     assert codes == [0] * REPLICAS, f"survivors and restarted replicas must end cleanly: {codes}"
-    return {kind: dict(records=[_lines(path(kind, i)) for i in range(REPLICAS)], before=b)
+    return {kind: dict(records=[read_records(path(kind, i)) for i in range(REPLICAS)], before=b)
             for (kind, _, _, _), b in zip(phases, before)}
 
 

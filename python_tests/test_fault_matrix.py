@@ -6,9 +6,9 @@ step can raise -- a second backward, a non-finite gradient, ranks on different s
 on one rank found after buckets were sent -- leaves no collective pending on any group the
 library made. Each case then builds a NEW optimizer on the same process group, steps, and checks
 that every rank holds bit-identical parameters; the processes exit 0 (``run_workers`` fails
-otherwise). Before the fix, a second backward with ``overlap=True`` left the gathers of the given
-up exchange pending on the overlap's second group, and the next optimizer's first step aborted a
-rank (gloo: "Received data size doesn't match expected size").
+otherwise). A second backward with ``overlap=True`` once left the gathers of the given up
+exchange pending on a group the overlap had made for them, and the next optimizer's first step
+aborted a rank (gloo: "Received data size doesn't match expected size").
 
 The fault matrix (one launch per fault, since a rank dies): on a 2 x 2 FSDP2 mesh a rank is
 killed or stalled at each collective of a step, with overlap on and off; every survivor raises
@@ -22,43 +22,12 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
+from decisions import identical, loss, outcome, stepped_once
 from workers import run_workers
 
 import dlion_kernels as dk
 from dlion_kernels.exchange import sharded
 from dlion_kernels.exchange.pipeline import A2A, GATHER
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)  # identical parameters on every rank
-        L = torch.nn.Linear
-        self.body = torch.nn.Sequential(L(8, 16), torch.nn.Tanh(), L(16, 4))
-        self.unused = L(4, 4)  # never reached by forward: its gradient stays None
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def _model():
-    return _Net()
-
-
-def _forward(net, rank, t, nan=False):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * t + rank))
-    if nan:
-        x[0, 0] = float("nan")  # a non-finite gradient (taken during backward with overlap)
-    return net(x).square().mean()
-
-
-def _identical(tensors) -> bool:
-    """Whether every rank holds these tensors bit for bit."""
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, flat)
-    return all(torch.equal(out[0], o) for o in out)
 
 
 def _fresh_step(net, rank, overlap, hierarchy=None, t=7) -> bool:
@@ -67,17 +36,9 @@ def _fresh_step(net, rank, overlap, hierarchy=None, t=7) -> bool:
                              hierarchy=hierarchy)
     for k in range(2):
         opt.zero_grad(set_to_none=True)
-        _forward(net, rank, t + k).backward()
+        loss(net, rank, t + k).backward()
         opt.step()
-    return _identical(list(net.parameters()))
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, str(e)
-    return None, ""
+    return identical(list(net.parameters()))
 
 
 def _errors_then_fresh_start(rank, n):
@@ -89,24 +50,20 @@ def _errors_then_fresh_start(rank, n):
                 continue  # without overlap a second backward only accumulates
             if hierarchy and case.startswith("bad input"):
                 continue  # hierarchy checks its input at the step's first bucket
-            net = _model()
-            opt = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=overlap,
-                                     bucket_mb=1e-6, hierarchy=hierarchy)
-            _forward(net, rank, 0).backward()
-            opt.step()  # one good step (forms the buckets)
-            opt.zero_grad(set_to_none=True)
+            net, opt = stepped_once(rank, lr=1e-2, overlap=overlap, bucket_mb=1e-6,
+                                    hierarchy=hierarchy)
             if case == "mismatch" and rank == 0:  # before backward: overlap sends it there
                 for p in net.parameters():
                     opt.state[p]["step"] += 5
             before = [p.detach().clone() for p in net.parameters()]
             if case == "second backward":
-                _forward(net, rank, 1).backward()
-                seen = _outcome(lambda: _forward(net, rank, 2).backward())
+                loss(net, rank, 1).backward()
+                seen = outcome(lambda: loss(net, rank, 2).backward())
             else:
-                _forward(net, rank, 1, nan=case == "non-finite" and rank == 1).backward()
+                loss(net, rank, 1, nan=case == "non-finite" and rank == 1).backward()
                 if case.startswith("bad input") and (rank == 2 or "everywhere" in case):
                     net.unused.weight.grad = torch.zeros(4, 4).to_sparse()  # refused
-                seen = _outcome(opt.step)
+                seen = outcome(opt.step)
             unchanged = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
             del opt  # its hooks go with it: the new optimizer is the only one on the model
             gc.collect()

@@ -203,9 +203,8 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
 
     source = "SyncStats + formula (FSDP2)" if o.get("fsdp") else "SyncStats"
     def outer_state():  # theta_bar, the outer momenta and error feedback's residuals, fp32
-        residuals = getattr(diloco.options_runtime, "residual", None) or []
-        return 4 * (sum(t.numel() for t in diloco.theta_bar + diloco.outer_momenta)
-                    + sum(r.numel() for r in residuals if r is not None))
+        residuals = diloco.outer_residuals or []
+        return 4 * sum(t.numel() for t in diloco.theta_bar + diloco.outer_momenta + residuals)
 
     return Built(strategy, model, model, inner, sent, source, after_step=after_step,
                  evaluation=synced, extra_state=outer_state)

@@ -15,11 +15,9 @@ def cached(what, make):
 
 
 def solo_group():
-    """A group of this rank alone (None on a one-rank job: the default group is one)."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    if n == 1:
-        return None
-    return cached("solo", lambda: [groups.new_group([r]) for r in range(n)][rank])
+    """A group of this rank alone (``groups.solo_group``; None on a one-rank job: the default
+    group is one)."""
+    return None if dist.get_world_size() == 1 else groups.solo_group()
 
 
 def node_groups(L: int):

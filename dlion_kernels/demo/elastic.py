@@ -186,7 +186,7 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
     if go is None:  # the first quorum together (see --join-timeout-ms)
         others = [os.path.join(os.path.dirname(path), f"replica{i}.jsonl")
                   for i in range(args.replicas)]
-        while not all(any(r.get("event") == "ready" for r in _lines(o)) for o in others):
+        while not all(any(r.get("event") == "ready" for r in read_records(o)) for o in others):
             time.sleep(0.02)
     while True:
         opt.zero_grad()  # this step's quorum: a restarted replica heals here
@@ -212,16 +212,25 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
             break
         if s.participants < args.replicas:
             time.sleep(0.01)  # leave the CPU to a replica that is starting
-    lines.close()
-    manager.shutdown(wait=False)
-    os._exit(0)  # torchft's threads: leave at once
+    end_replica(lines, manager)
 
 
-def _lines(path) -> list:
+def read_records(path) -> list:
+    """The JSON records a replica wrote to ``path``, one a line; none if it has not started, and
+    a last line still being written is left out."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def end_replica(lines, manager, leave: bool = True) -> None:
+    """A replica's clean end: close its record file, shut its Manager down without waiting and,
+    with ``leave``, end the process at once (torchft's threads would hold it)."""
+    lines.close()
+    manager.shutdown(wait=False)
+    if leave:
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -265,7 +274,7 @@ def run(args) -> dict:
             if restart is not None:
                 others = [i for i in range(args.replicas) if i != victim]
                 _wait(lambda: all(any(r.get("committed") and r["step"] >= args.restart_at
-                                      for r in _lines(path[i])) for i in others), procs)
+                                      for r in read_records(path[i])) for i in others), procs)
                 events["restart_t"] = time.time()
                 go.set()
                 if not quiet:
@@ -283,7 +292,7 @@ def run(args) -> dict:
                     p.join()
             house.shutdown()
         wall = time.time() - start
-        records = [_lines(p) for p in path]
+        records = [read_records(p) for p in path]
     numels = [p.numel() for p in chars.make_model(args, args.seeds[0]).parameters()]
     return summarize(records, numels, args, events, wall)
 

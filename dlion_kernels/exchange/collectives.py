@@ -13,10 +13,10 @@ stalls (nothing arrives before the timeout). ``timeout=`` here is an extra, shor
 call: the collective is started with ``async_op=True`` and its ``Work`` is waited on for at most
 that long (``DistributedLion(timeout=)`` and ``DecentralizedDataParallel(timeout=)`` pass theirs).
 
-Subgroups the library makes itself (hierarchy's node groups, the overlap's second groups, the
-mesh's group, the decentralized topologies) are made with the default group's timeout (or the
-object's ``timeout=``; ``new_group`` here and ``groups.py``): ``dist.new_group`` alone would give
-them the backend's default of 30 minutes (gloo). A collective that fails on one of them retires
+Subgroups the library makes itself (hierarchy's node groups, the mesh's group, the decentralized
+topologies) are made with the default group's timeout (or the object's ``timeout=``;
+``new_group`` here and ``groups.py``): ``dist.new_group`` alone would give them the backend's
+default of 30 minutes (gloo). A collective that fails on one of them retires
 it (``groups.retire``): work may be left pending on it, so it is made again, never reused.
 
 After such an error the group is unusable (peers may be inside different collectives): destroy it

@@ -6,6 +6,7 @@ longer be trusted.
   while ``parent`` and the default group are the very objects they were when it was made: after
   ``destroy_process_group()`` and a new ``init_process_group()`` (which may reuse an object's
   ``id``), the groups are made again instead of handing out a group of a dead job.
+- ``solo_group()``: a group of this rank alone, made by this rank only, kept like the others.
 - ``new_group(ranks, timeout)``: ``dist.new_group`` with the job's timeout (``timeout``, else the
   default group's). ``dist.new_group`` alone gives the backend's default (30 minutes for gloo),
   so a stalled peer in a library-made group would hang the job that long.
@@ -51,6 +52,13 @@ def cached(kind: str, parent, make, *key):
     value = make()
     _CACHE[entry] = (parent, world, value)  # holds parent: its id cannot be reused meanwhile
     return value
+
+
+def solo_group():
+    """A process group of this rank alone with the job's timeout, made by this rank only (no
+    other rank takes part: ``use_local_synchronization``), once per default group (``cached``)."""
+    me = dist.get_rank()
+    return cached("solo", None, lambda: new_group([me], use_local_synchronization=True), me)
 
 
 def _members(value):

@@ -20,24 +20,18 @@ gradient on any rank leaves every parameter and momentum of every rank unchanged
 votes of earlier buckets were exchanged during backward.
 
 Ordering. gloo and NCCL pair a group's collectives by the order in which each rank issues
-them, so every group must see its collectives in the same order on every rank. A bucket's stages
-are issued in bucket order (bucket k+1 never issues a stage before bucket k has), and when the
-next stage is issued depends on the backend:
+them, so every group must see its collectives in the same order on every rank. Every exchange
+issues its buckets' stages as one fixed sequence on its one group, lag one: a2a(0), a2a(1),
+gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued when bucket k+1
+starts, after waiting for bucket k's all_to_all), on every backend and for every caller: the
+overlapped step of ``DistributedLion``, the DDP comm hook, hierarchy's buckets
+(``hierarchy.OverlapStep``). On CUDA nothing waits on the host there (below), and the one fixed
+order on one communicator is what NCCL asks of concurrent collectives. On gloo that wait is a
+host wait inside the autograd hook that starts bucket k+1; a second gloo group for the gathers,
+issued as soon as each all_to_all was complete, removed those waits but measured no faster
+(docs/overlap.md), so the exchange makes none.
 
-- gloo, with a second group for the gathers (``companion``: the overlapped step of
-  ``DistributedLion`` and the DDP comm hook, on a group of every rank): each bucket's tally and
-  all_gather are issued as soon as its all_to_all is complete, checked without waiting whenever
-  a bucket starts. The all_to_alls are in bucket order on the group and the gathers in bucket
-  order on the second group, whatever the timing, and the hook that starts a bucket never waits
-  for another rank. A host wait inside an autograd hook would stop this rank's backward until
-  the slowest rank had reached the same bucket, at every bucket (docs/overlap.md has the timelines).
-- CUDA (NCCL), gloo on a group without a second one, and hierarchy's buckets
-  (``hierarchy.OverlapStep``, measured faster so): lag one, as a fixed sequence on one group:
-  a2a(0), a2a(1), gather(0), a2a(2), gather(1), ... (bucket k's tally and gather are issued
-  when bucket k+1 starts). On CUDA nothing waits on the host there (below), and the one fixed
-  order on one communicator is what NCCL asks of concurrent collectives.
-
-``finish`` issues what is left, in the same orders, waiting where it must.
+``finish`` issues what is left, in the same order, waiting where it must.
 
 Streams (CUDA; on CPU every call below is a no-op and the same code runs):
 - ``start`` runs where the gradient was produced (the autograd thread, its current stream S).
@@ -68,9 +62,9 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
 from .checks import DTYPES, check_tensor
-from .collectives import DistributedStepError, collective, gather_into_tensor, group_timeout
+from .collectives import DistributedStepError, collective, gather_into_tensor
 from .collectives import wait as wait_work
-from .groups import cached, new_group, retire
+from .groups import retire
 from .header import (
     HEADER_WORDS,
     NONFINITE,
@@ -80,10 +74,8 @@ from .header import (
     settings_word,
 )
 
-# Names of the two collectives in errors (DistributedStepError) and in the fault tests, and of
-# the making of the gathers' group (once per group, at its first overlapped step)
+# Names of the two collectives in errors (DistributedStepError) and in the fault tests
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
-COMPANION = "new_group(gathers)"
 # An overlapped step's last collective: one word per rank, after step() has read the settings
 VERDICT = "all_gather(verdict)"
 # A second flag bit of the step header (``header.py``'s word 0, beside ``NONFINITE``): this rank
@@ -185,46 +177,6 @@ def check_group_device(group, n: int, device: torch.device) -> None:
         raise ValueError(f"CUDA tensors need an NCCL process group; this group uses {name}")
 
 
-def companion(group, device, step, family=None):
-    """The gathers' group of ``group`` (None: the default group) for overlapped exchanges on
-    ``device``: a second gloo group with the same ranks, in the same order, and the same timeout,
-    made once per group and kept (``groups.cached``: made again for another default group, and
-    after ``retire``); None where there is none (module docstring, Ordering): CUDA or one rank.
-
-    ``dist.new_group`` must be called by every rank of the job in the same order. A group of
-    every rank gets its companion at its first overlapped step, which every rank reaches at the
-    same point of its program. A group of some ranks gets one only with ``family``: the rank
-    lists of sibling groups that together hold every rank of the job once (e.g. the replicate
-    groups of an FSDP2 mesh, one per shard position); the companions of the whole family are
-    then made together, in family order, by every rank. Without a family such a group gets none.
-
-    Making it is a collective of step ``step``: a peer that dies then raises
-    ``DistributedStepError`` naming ``COMPANION``."""
-    if torch.device(device).type != "cpu" or not (dist.is_available() and dist.is_initialized()):
-        return None
-    pg = group if group is not None else dist.group.WORLD
-    size, world = dist.get_world_size(pg), dist.get_world_size()
-    if size == 1:
-        return None
-    ranks = dist.get_process_group_ranks(pg)  # group rank order: the gathers' output order
-    if size == world:
-        family = [ranks]
-    elif family is None:
-        return None
-    family = [list(f) for f in family]
-    if sorted(r for f in family for r in f) != list(range(world)) or ranks not in family:
-        return None  # not a partition of the job holding this group: no collective order
-    timeout = group_timeout(pg) or group_timeout()
-
-    def make():
-        made = []
-        collective(COMPANION, step, lambda: made.extend(
-            new_group(f, timeout, sort_ranks=False) for f in family))
-        return made[family.index(ranks)]
-
-    return cached("companion", pg, make, tuple(map(tuple, family)))
-
-
 def by_dtype(items):
     """Group (tensor-or-None, ...) tuples by the dtype of their first tensor, keeping order."""
     groups: dict = {}
@@ -293,10 +245,6 @@ class BucketWork:
         """Whether a stage is left to issue."""
         return self.stage < self.stages
 
-    def arrived(self) -> bool:
-        """Whether the collective in flight is complete (never waits)."""
-        return self.work is None or self.work.is_completed()
-
     def wait(self) -> None:
         """Wait for the collective in flight (CUDA: the side stream waits, not the host, unless
         a timeout is given)."""
@@ -343,7 +291,7 @@ class BucketWork:
 
     def reduce(self) -> None:
         """Stage 1, once the all_to_all is complete: tally the owned shard, gather the
-        aggregate (on the exchange's gathers' group)."""
+        aggregate."""
         ex, n = self.ex, self.ex.n
         self.header = self.received[:, :HEADER_WORDS]
         stacked = self.received[:, HEADER_WORDS:].contiguous()
@@ -357,7 +305,7 @@ class BucketWork:
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
                                      device=ex.device)
         self.work = collective(GATHER, ex.step, all_gather, self.aggregate, owned,
-                               ex.gather_group, async_op=True)
+                               ex.group, async_op=True)
         self.name = GATHER
         self.owned = owned  # alive until the gather is done
         ex.sent += (n - 1) * self.shard * ex.p_out * WORD_BYTES
@@ -454,22 +402,18 @@ class Verdict:
 class Exchange:
     """The exchanges of one step, bucket by bucket.
 
-    ``add(rows, blocks)`` starts a bucket (and moves the earlier ones on, module docstring:
-    Ordering); ``finish()`` issues what is left, waits, decides skip/raise for all buckets at
-    once, applies and returns the step's ``StepStats``. ``timeout`` (seconds, a timedelta or
-    None: the group's own) bounds each wait for a collective. ``gather_group``: None (the
-    gathers go on ``group``, lag one) or a second group of the same ranks (``companion``; gloo):
-    buckets then move as soon as their collective in flight is complete, never waiting. Rows'
-    segments are read at ``add`` for beta1 and at ``finish`` for lr, beta2 and weight_decay (so
-    an LR scheduler between backward and step takes effect).
+    ``add(rows, blocks)`` starts a bucket and issues the stages left of the earlier ones (lag
+    one, on ``group``: module docstring, Ordering); ``finish()`` issues what is left, waits, decides
+    skip/raise for all buckets at once, applies and returns the step's ``StepStats``.
+    ``timeout`` (seconds, a timedelta or None: the group's own) bounds each wait for a
+    collective. Rows' segments are read at ``add`` for beta1 and at ``finish`` for lr, beta2
+    and weight_decay (so an LR scheduler between backward and step takes effect).
     """
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
                  found_inf=None, streams: Streams | None = None, timeout=None,
-                 gather_group=None, segments=None, late: bool = False):
+                 segments=None, late: bool = False):
         self.group, self.n = resolve_group(group)
-        self.poll = gather_group is not None
-        self.gather_group = gather_group if self.poll else self.group
         self.timeout = timeout
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
@@ -496,7 +440,7 @@ class Exchange:
         # over these groups (default: the exchange's group), set by the optimizer
         self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
-        self.made_groups = [gather_group] if self.poll else []
+        self.made_groups: list = []
 
     @contextlib.contextmanager
     def _retiring(self):
@@ -543,28 +487,24 @@ class Exchange:
 
     def add_work(self, work: BucketWork, inputs) -> None:
         """Start ``work`` (``inputs``: the tensors it reads that the caller's stream made), then
-        move the earlier buckets on: every one whose collective in flight is complete
-        (``gather_group``), or the previous ones, lag one."""
+        move the earlier buckets on, lag one."""
         self.streams.side_waits_current()
         self.streams.used_on_side(inputs)
         with self._retiring(), self.streams.on_side():
             work.start()
             self.works.append(work)
-            if self.poll:
-                self._progress(len(self.works), block=False)
-            else:
-                self._progress(len(self.works) - 1, block=True)
+            self._progress(len(self.works) - 1)
 
-    def _progress(self, upto: int, block: bool) -> None:
+    def _progress(self, upto: int) -> None:
         """Issue the next stages of buckets ``[0, upto)``, one stage per bucket per pass, in
-        bucket order: a bucket never issues a stage that the bucket ahead of it has not issued,
-        so every group sees its collectives in bucket order. ``block``: wait for each collective
-        in flight; otherwise move only buckets whose collective in flight is complete."""
+        bucket order, waiting for each collective in flight: a bucket never issues a stage that
+        the bucket ahead of it has not issued, so every group sees its collectives in bucket
+        order."""
         moved = True
         while moved:
             moved, ahead = False, None  # ahead: stages issued by the bucket ahead (None: all)
             for w in self.works[:upto]:
-                if w.more() and (ahead is None or w.stage < ahead) and (block or w.arrived()):
+                if w.more() and (ahead is None or w.stage < ahead):
                     w.advance()
                     moved = True
                 ahead = w.stage if w.more() else None
@@ -573,7 +513,7 @@ class Exchange:
         """Issue and wait for the rest of this step's collectives (so every rank's sequence
         stays matched) and apply nothing."""
         with self._retiring(), self.streams.on_side():
-            self._progress(len(self.works), block=True)
+            self._progress(len(self.works))
             for w in self.works:
                 w.wait()
 
@@ -595,7 +535,7 @@ class Exchange:
         rank raise the same error (``explain``), read on the host here unless deferred."""
         self.aborted |= abort
         with self._retiring(), self.streams.on_side():
-            self._progress(len(self.works), block=True)
+            self._progress(len(self.works))
             for w in self.works:
                 w.wait()
             if self.works:
@@ -640,7 +580,7 @@ class Exchange:
     def _verdict_row(self, word, headers) -> torch.Tensor:
         """Every rank's last ``word`` (``VERDICT``), as one more row of headers [1, n, 2]."""
         words = torch.empty(self.n, dtype=torch.int32, device=self.device)
-        collective(VERDICT, self.step, all_gather, words, word, self.gather_group,
+        collective(VERDICT, self.step, all_gather, words, word, self.group,
                    timeout=self.timeout)
         self.sent += (self.n - 1) * WORD_BYTES
         return torch.stack([words, headers[0, :, 1]], dim=-1).view(1, self.n, HEADER_WORDS)

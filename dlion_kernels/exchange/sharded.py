@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import DistributedStepError, collective
-from .groups import cached, new_group, retire
+from .groups import cached, new_group, retire, solo_group
 from .header import HEADER_WORDS, NONFINITE
 from .pipeline import StepStats, all_gather
 
@@ -108,9 +108,6 @@ class Sharding:
     shard: object  # process group of the L ranks of this rank's replica (the parameters' mesh)
     replicas: int  # N
     shards: int  # L
-    # every replicate group's ranks (group rank order), one per shard position: the family that
-    # makes the overlap's second groups together (``pipeline.companion``); () when unknown
-    replicate_family: tuple = ()
 
     def momentum_placements(self, param) -> list:
         """The momentum's placements: Shard(0) over replicate, the parameter's Shard(d) as
@@ -171,13 +168,6 @@ def _ranks(mesh) -> list[int]:
     return mesh.mesh.reshape(-1).tolist()
 
 
-def _solo_group():
-    """A process group of this rank alone (N = 1 has no replicate dimension to take one from);
-    created by this rank only, once per default group (a new one after a re-initialization)."""
-    me = dist.get_rank()
-    return cached("solo", None, lambda: new_group([me], use_local_synchronization=True), me)
-
-
 def mesh_group(sharding: Sharding, step, timeout=None):
     """A process group of every rank of ``sharding``'s mesh (the shard group when N = 1), made
     once at the mesh's first step (``groups.cached``) with the job's timeout: every rank of the
@@ -195,6 +185,20 @@ def mesh_group(sharding: Sharding, step, timeout=None):
         return made[0]
 
     return cached("mesh", None, make, tuple(ranks))
+
+
+def mesh_collective(sharding: Sharding, step, name: str, fn, *args, timeout=None, **kwargs):
+    """``fn(*args, group=<the mesh's group>, **kwargs)`` as step ``step``'s collective ``name``
+    (``collectives.collective``): one collective over every rank of ``sharding``'s mesh, the
+    mesh-wide decision of a step. A failure retires the mesh's group (``groups.retire``: work may
+    be left pending on it) and raises ``DistributedStepError``."""
+    group = None
+    try:
+        group = mesh_group(sharding, step, timeout)
+        collective(name, step, fn, *args, group=group, timeout=timeout, **kwargs)
+    except DistributedStepError:
+        retire(group)
+        raise
 
 
 def check_param(i: int, p, first) -> None:
@@ -250,7 +254,7 @@ def resolve(params, device_mesh=None, group=None) -> Sharding | None:
                 f"the parameters are sharded over ranks {shard_ranks}, {L} of the {world} "
                 "ranks: pass device_mesh= (the 2-D mesh with dims 'replicate' and 'shard') or "
                 "group= (the replicate group: the ranks holding this rank's shard)")
-        return Sharding(shard_mesh, None, 0, _solo_group(), shard_group, 1, L)
+        return Sharding(shard_mesh, None, 0, solo_group(), shard_group, 1, L)
     return _from_group(group, shard_mesh, shard_group, L)
 
 
@@ -268,7 +272,7 @@ def _from_mesh(device_mesh, shard_mesh, shard_group, L) -> Sharding:
             raise ValueError(
                 f"device_mesh {device_mesh} (1-D: the shard dimension, N = 1) does not match "
                 f"the parameters' mesh {shard_mesh}: pass the mesh fully_shard sharded them over")
-        return Sharding(shard_mesh, None, 0, _solo_group(), shard_group, 1, L)
+        return Sharding(shard_mesh, None, 0, solo_group(), shard_group, 1, L)
     if device_mesh.ndim != 2:
         raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard), got "
                          f"{device_mesh.ndim}-D {device_mesh}")
@@ -289,10 +293,7 @@ def _from_mesh(device_mesh, shard_mesh, shard_group, L) -> Sharding:
             f"fully_shard(module, mesh=device_mesh['{SHARD}']) and name the dims "
             f"('{REPLICATE}', '{SHARD}') (else the first dim is replicate)")
     N = device_mesh.size(rep)
-    grid = device_mesh.mesh if rep == 0 else device_mesh.mesh.transpose(0, 1)  # [N, L]
-    family = tuple(tuple(grid[:, j].tolist()) for j in range(grid.shape[1]))
-    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L,
-                    family)
+    return Sharding(device_mesh, rep, shd, device_mesh.get_group(rep), shard_group, N, L)
 
 
 def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
@@ -328,8 +329,7 @@ def _from_group(group, shard_mesh, shard_group, L) -> Sharding:
 
     mesh = DeviceMesh.from_group([group, shard_group], shard_mesh.device_type, mesh=rows,
                                  mesh_dim_names=(REPLICATE, SHARD))
-    family = tuple(tuple(rows[:, j].tolist()) for j in range(L))
-    return Sharding(mesh, 0, 1, group, shard_group, N, L, family)
+    return Sharding(mesh, 0, 1, group, shard_group, N, L)
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -345,7 +345,12 @@ class ShardAgreement:
     same decision: skip if any rank flagged a non-finite gradient or gave up or set other
     settings, ``StepMismatchError`` if any two ranks differ in step.
     ``sent``: the bytes this rank sent in that gather. A failure in it retires the mesh's group
-    (``groups.retire``)."""
+    (``groups.retire``).
+
+    ``DiLoCo`` makes the same mesh-wide decision for a pseudo-gradient (``mesh_collective``
+    too) with an all-reduce (MAX) of one flag and every replica's step instead: it has no
+    per-rank words to compare (no ABORTED, no settings digest), and its bytes are counted as that
+    all-reduce."""
 
     def __init__(self, sharding: Sharding, step: int, timeout=None):
         self.sharding, self.shards = sharding, sharding.shards
@@ -364,15 +369,9 @@ class ShardAgreement:
         n = self.sharding.replicas * self.shards
         if n == 1:
             return mine.view(1, 1, HEADER_WORDS)
-        group = None
-        try:
-            group = mesh_group(self.sharding, self.step, self.timeout)
-            gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
-            collective(HEADERS, self.step, all_gather, gathered, mine, group,
-                       timeout=self.timeout)
-        except DistributedStepError:
-            retire(group)
-            raise
+        gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
+        mesh_collective(self.sharding, self.step, HEADERS, all_gather, gathered, mine,
+                        timeout=self.timeout)
         self.sent += (n - 1) * mine.numel() * mine.element_size()
         return gathered.view(1, n, HEADER_WORDS)
 

@@ -559,8 +559,9 @@ class DiLoCo:
             words[0] = int(flag)
             words[1 + me * len(steps):][: len(steps)] = torch.tensor(steps, dtype=torch.int32)
             words = words.to(mean.device)
-            collective(FLAGS, step, dist.all_reduce, words, op=dist.ReduceOp.MAX,
-                       group=mesh, timeout=self.timeout, label=_LABEL, applied=_APPLIED)
+            sharded.mesh_collective(self._sharding, step, FLAGS, dist.all_reduce, words,
+                                    op=dist.ReduceOp.MAX, timeout=self.timeout, label=_LABEL,
+                                    applied=_APPLIED)
             flag, table = words[:1].cpu(), words[1:].view(M, -1).tolist()
             intra = round(gossip_bytes_per_step(words.numel(), 4, M))
         if len({s for row in table for s in row}) > 1:
@@ -725,12 +726,22 @@ class DiLoCo:
         return [v for f in self._fragments for v in f.views(f.momentum)]
 
     @property
+    def outer_residuals(self) -> list | None:
+        """The error-feedback residual of ``outer_options`` per trainable parameter (fp32 views,
+        like ``theta_bar``), or None where the options keep none."""
+        flats = self._options.residuals() if self._options is not None else None
+        if flats is None or all(r is None for r in flats):
+            return None
+        return [v for f in self._fragments for v in f.views(flats[f.index])]
+
+    @property
     def fragment_params(self) -> list:
         """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]
 
-    # What the modules that run a sync around this object use (elastic.py, outer_options.py,
-    # build.py's accounting): named here so that none of them reaches into private state.
+    # What the modules that run a sync around this object use (elastic.py, outer_options.py;
+    # the builders' state accounting reads theta_bar, outer_momenta and outer_residuals above):
+    # named here so that none of them reaches into private state.
 
     @property
     def fragment_states(self) -> list:

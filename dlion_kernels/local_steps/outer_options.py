@@ -234,9 +234,10 @@ class _Runner:
 
     def state_dict(self) -> dict:
         return {"options": asdict(self.options), "kind": type(self.options).__name__,
-                "residual": [None if r is None else r.clone() for r in self._residuals()]}
+                "residual": [None if r is None else r.clone() for r in self.residuals()]}
 
-    def _residuals(self) -> list:
+    def residuals(self) -> list:
+        """One flat fp32 error-feedback residual per fragment, None where there is none."""
         return [None] * len(self.fragments)
 
     def check_state(self, saved) -> None:
@@ -246,7 +247,7 @@ class _Runner:
             raise ValueError(f"state_dict was saved with outer_options {got!r}, this DiLoCo has "
                              f"{mine['options']!r} ({mine['kind']})")
         residual = saved.get("residual")
-        want = self._residuals()
+        want = self.residuals()
         if not isinstance(residual, (list, tuple)) or len(residual) != len(want) or not all(
                 (r is None) == (w is None) and (r is None or (
                     isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
@@ -256,7 +257,7 @@ class _Runner:
                              "None elsewhere")
 
     def load_state_dict(self, saved) -> None:
-        for mine, r in zip(self._residuals(), saved["residual"]):
+        for mine, r in zip(self.residuals(), saved["residual"]):
             if mine is not None:
                 mine.copy_(r)
 
@@ -274,7 +275,7 @@ class DLionOptions(_Runner):
         # the exchange only votes: c = 0 * m + 1 * p, x = 0 - 1 * (D + 0 x), m kept (b2 = 1)
         self.segment = Segment([], [], [], 1.0, 0.0, 1.0, 0.0)
 
-    def _residuals(self) -> list:
+    def residuals(self) -> list:
         return self.residual
 
     def start(self, fragment, grad: torch.Tensor, step: int):

@@ -27,7 +27,7 @@ from ..exchange.buckets import BucketEngine, WeakHook, remove_when_collected
 from ..exchange.checks import check_hyperparameters, check_tensors
 from ..exchange.collectives import DistributedStepError
 from ..exchange.copying import attached_group
-from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, companion, resolve_group
+from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, resolve_group
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -381,9 +381,6 @@ class FlatPath(Path):
     def started(self, ex: Exchange, step: int, timeout) -> None:
         """A new step's exchange was made."""
 
-    def companion_family(self):
-        return None
-
     # ------------------------------------------------------------------------- buckets
 
     def start_bucket(self, bucket) -> None:
@@ -421,9 +418,6 @@ class FlatPath(Path):
                                      group=group, backend=opt.backend, step=step,
                                      nonfinite=opt.nonfinite, found_inf=self.found_inf,
                                      streams=self.streams, timeout=timeout,
-                                     gather_group=companion(
-                                         group, device, step, family=self.companion_family())
-                                     if overlapped else None,
                                      segments=self.segments, late=overlapped)
             self.exchange.explainer = agree.explain_step  # one error on every rank
             self.exchanged = set()
@@ -503,9 +497,6 @@ class ShardedPath(FlatPath):
 
     def group(self):
         return self.sharding.replicate
-
-    def companion_family(self):
-        return self.sharding.replicate_family
 
     def started(self, ex: Exchange, step: int, timeout) -> None:
         self.agreement = sharded.ShardAgreement(self.sharding, step, timeout)

@@ -24,12 +24,8 @@ def inner_optimizer(model):
 
 def snap(model, diloco):
     """(params, theta_bar, momenta, residuals) per tensor; residuals None without them."""
-    runner = diloco._options
-    residual = None
-    if runner is not None and getattr(runner, "residual", None) is not None \
-            and runner.residual[0] is not None:
-        residual = [v.clone() for f in diloco._fragments for v in
-                    f.views(runner.residual[f.index])]
+    residual = diloco.outer_residuals
+    residual = None if residual is None else [v.clone() for v in residual]
     return ([p.detach().clone() for p in model.parameters()],
             [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta],
             residual)
@@ -95,11 +91,15 @@ def resumed_runs(rank, n, cases, steps=RESUME_STEPS) -> dict:
             for name, kw, points in cases}
 
 
-def check_resumes_exact(ranks, name, parts):
+def check_resumes_exact(ranks, name, parts, nonzero):
     """On every rank, each resumed run of ``name`` ends bit for bit as the run never
-    interrupted, in the first ``parts`` parts of its snapshot (``snap``)."""
+    interrupted, in the first ``parts`` parts of its snapshot (``snap``); part ``nonzero`` (the
+    option's own state) is non-zero somewhere at the end of that run, or the check proves
+    nothing about restoring it."""
     for rank in ranks:
         whole, *resumed = rank["resume"][name]
+        assert whole[nonzero] is not None, (name, nonzero)
+        assert any(bool((t != 0).any()) for t in whole[nonzero]), (name, nonzero)
         for other in resumed:
             for k in range(parts):
                 assert all(torch.equal(x, y) for x, y in zip(whole[k], other[k])), (name, k)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from faults import Fault, attempt, check_survivors, run_with_fault, snapshot
 
 import dlion_kernels as dk
-from dlion_kernels.exchange.pipeline import A2A, COMPANION, GATHER
+from dlion_kernels.exchange.pipeline import A2A, GATHER
 
 PG_TIMEOUT = 5.0  # seconds: the group's own timeout, or DistributedLion(timeout=)
 MARGIN = 15.0  # spawn jitter on a shared 2-core machine
@@ -76,17 +76,12 @@ def worker(rank, n, group, steps, variant):
 CASES = [
     # (variant, action, point, occurrence, collectives the survivors may name, where they raise)
     # The victim dies just after starting bucket 0's all_to_all, during its backward: the
-    # survivors notice in backward (reducing bucket 0 when bucket 1 starts) or in step(). On the
-    # optimizer's new group the gathers' second group is made at that bucket too, just before
-    # its all_to_all: a survivor still connecting to it when the victim dies names it.
-    ("group", "kill", "after:" + A2A, 1, {A2A, GATHER, COMPANION}, {"backward", "step"}),
+    # survivors notice in backward (reducing bucket 0 when bucket 1 starts) or in step().
+    ("group", "kill", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
     ("group", "stop", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
     # The victim dies before the last bucket's gather, which step() issues: backward completes.
     ("group", "kill", "before:" + GATHER, BUCKETS, {GATHER}, {"step"}),
     ("timeout", "stop", "before:" + GATHER, BUCKETS, {GATHER}, {"step"}),
-    # The victim dies before the gathers' second group is made, at the first exchange on
-    # the optimizer's new group (bucket 0 of the step, during backward).
-    ("group", "kill", "before:" + COMPANION, 1, {COMPANION}, {"backward"}),
     ("ddp", "kill", "after:" + A2A, 1, {A2A, GATHER}, {"backward", "step"}),
     ("ddp", "stop", "before:" + GATHER, DDP_BUCKETS, {GATHER}, {"step"}),
 ]

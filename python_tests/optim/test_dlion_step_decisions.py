@@ -13,10 +13,8 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from decisions import outcome, same_decision
+from decisions import identical, loss, outcome, same_decision, stepped_once
 from workers import run_workers
-
-import dlion_kernels as dk
 
 BOUND = 20  # seconds: the bound of every wait of a step (the optimizer's timeout=)
 LR, WD, BETAS = 1e-2, 0.0, (0.9, 0.99)
@@ -36,32 +34,6 @@ CASES = {
 }
 
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)  # identical parameters on every rank
-        L = torch.nn.Linear
-        self.body = torch.nn.Sequential(L(8, 16), torch.nn.Tanh(), L(16, 4))
-        self.unused = L(4, 4)  # never reached by forward: its gradient stays None
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def _forward(net, rank, t, nan=False):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * t + rank))
-    if nan:
-        x[0, 0] = float("nan")
-    return net(x).square().mean()
-
-
-def _identical(tensors) -> bool:
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, flat)
-    return all(torch.equal(out[0], o) for o in out)
-
-
 def _state(net, opt):
     return [p.detach().clone() for p in net.parameters()] + [
         s["exp_avg"].clone() for s in opt.state.values() if "exp_avg" in s]
@@ -69,19 +41,14 @@ def _state(net, opt):
 
 def _case(rank, n, case, overlap, hierarchy, group):
     odd = rank == n - 1
-    net = _Net()
-    groups = [{"params": net.body.parameters()}, {"params": net.unused.parameters()}]
-    opt = dk.DistributedLion(groups, lr=LR, betas=BETAS, weight_decay=WD, overlap=overlap,
-                             bucket_mb=1e-6, hierarchy=hierarchy, group=group, timeout=BOUND,
-                             backend="torch")
-    _forward(net, rank, 0).backward()
-    opt.step()  # one good step (forms the buckets)
-    opt.zero_grad(set_to_none=True)
+    net, opt = stepped_once(rank, param_groups=True, lr=LR, betas=BETAS, weight_decay=WD,
+                            overlap=overlap, bucket_mb=1e-6, hierarchy=hierarchy, group=group,
+                            timeout=BOUND, backend="torch")
     before = _state(net, opt)
     last = opt.param_groups[-1]
     if case == "other lr before backward" and odd:
         last["lr"] = 0.5
-    _forward(net, rank, 1, nan=case == "non-finite gradient" and odd).backward()
+    loss(net, rank, 1, nan=case == "non-finite gradient" and odd).backward()
     closure = None
     if odd:
         if case == "sparse gradient":
@@ -107,11 +74,11 @@ def _case(rank, n, case, overlap, hierarchy, group):
     opt.zero_grad(set_to_none=True)
 
     def again():
-        _forward(net, rank, 2).backward()
+        loss(net, rank, 2).backward()
         opt.step()
 
     after = outcome(again)
-    fresh = after == ("ok", None) and _identical(list(net.parameters()))
+    fresh = after == ("ok", None) and identical(list(net.parameters()))
     return dict(error=seen, unchanged=unchanged, fresh=fresh, after=after)
 
 
