@@ -64,6 +64,7 @@ LR_GRIDS = {  # 3 trials each, factors of about 2 apart
     "nesterov": (0.5, 0.7, 1.0),
     "sparseloco": (0.7, 1.4, 2.8),
     "dlion": None, "dlion-ef": None, "dlion-ef-tern": None,  # DLION_MULTIPLIERS
+    "dlion-ef-decay": None,
     "dlion-scale": (0.25, 0.5, 1.0),
     "dlion-ef-scale": (0.25, 0.5, 1.0),
 }
@@ -80,12 +81,14 @@ LABELS = {
     "dlion-scale": "DiLoCo-D-Lion + scale",
     "dlion-ef-scale": "DiLoCo-D-Lion + EF + scale",
     "dlion-ef-tern": "DiLoCo-D-Lion + EF, ternary tau 0.5",
+    "dlion-ef-decay": "DiLoCo-D-Lion + EF decayed by 0.9 per sync",
 }
 OPTIONS = {
     "dlion-ef": dict(error_feedback=True),
     "dlion-scale": dict(scale=True),
     "dlion-ef-scale": dict(error_feedback=True, scale=True),
     "dlion-ef-tern": dict(error_feedback=True, threshold=0.5),
+    "dlion-ef-decay": dict(error_feedback=True, ef_decay=0.9),
 }
 
 

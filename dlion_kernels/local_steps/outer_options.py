@@ -23,7 +23,8 @@ lr = ``outer_lr``, wd = ``outer_weight_decay``:
           1 without
     u   = s_k D                   per element of tensor k
     theta_bar = theta_bar - lr (u + wd theta_bar)
-    e_i = p_i - lr u              with error_feedback: the applied step, in pseudo-gradient units
+    e_i = gamma (p_i - lr u)      with error_feedback: what the applied step did not carry, in
+                                  pseudo-gradient units; gamma = ``ef_decay`` (1: no decay)
     m_i = b2 m_i + (1 - b2) p_i
 
 That is D-Lion's outer step with p_i in place of d_i, and the step scaled per tensor. A
@@ -33,7 +34,11 @@ against the aggregate applied on every rank, not against the rank's own vote. Av
 ranks, mean_i e_i after a sync is mean_i (d_i + e_i) minus the step applied, so over syncs the
 applied steps add up to the sum of the mean pseudo-gradients minus the current mean residual: a
 vote that rounds an element the wrong way, a tie or an abstention is paid back at later syncs,
-as long as the steps can keep up (lr s_k at least about the typical |d| per sync). Without
+as long as the steps can keep up (lr s_k at least about the typical |d| per sync). What each
+rank asked for apart from the others (d_i minus the ranks' mean) also stays in its e_i and adds
+up sync after sync, a random walk that grows until it drowns the rank's new pseudo-gradient in
+its vote; ``ef_decay`` gamma < 1 bounds it (to about 1 / (1 - gamma) syncs' worth) at the price
+of paying back only that much of a vote's rounding. Without
 ``scale`` a sign step moves every element by lr, so lr must be of the order of |d| per sync (as
 for the plain step); with ``scale`` the step has the ranks' mean |p| per tensor, and lr is about
 1 (lr = 1 with ``mode="average"`` and unanimous votes is the plain mean of the pseudo-gradients'
@@ -122,13 +127,15 @@ def _real(value) -> bool:
 class DLionOuterOptions:
     """Options of the 1-bit D-Lion outer step (module docstring): ``error_feedback`` (a per-rank
     fp32 residual of what the applied step did not carry), ``scale`` (each tensor's step takes
-    the ranks' mean |p|, one fp32 per tensor and rank on the wire) and ``threshold`` (tau >= 0:
-    with ternary votes, elements with |p| < tau * mean|p| of their tensor abstain). All off: the
-    plain step."""
+    the ranks' mean |p|, one fp32 per tensor and rank on the wire), ``threshold`` (tau >= 0:
+    with ternary votes, elements with |p| < tau * mean|p| of their tensor abstain) and
+    ``ef_decay`` (gamma in (0, 1]: the residual is multiplied by gamma at every sync; needs
+    ``error_feedback``). All off: the plain step."""
 
     error_feedback: bool = False
     scale: bool = False
     threshold: float = 0.0
+    ef_decay: float = 1.0
 
     def __post_init__(self):
         for name in ("error_feedback", "scale"):
@@ -138,6 +145,11 @@ class DLionOuterOptions:
         if not _real(self.threshold) or self.threshold < 0:
             raise ValueError(f"DLionOuterOptions.threshold must be a finite number >= 0, got "
                              f"{self.threshold!r}")
+        if not _real(self.ef_decay) or not 0.0 < self.ef_decay <= 1.0:
+            raise ValueError(f"DLionOuterOptions.ef_decay must be a number in (0, 1], got "
+                             f"{self.ef_decay!r}")
+        if self.ef_decay < 1.0 and not self.error_feedback:
+            raise ValueError("DLionOuterOptions.ef_decay < 1 needs error_feedback=True")
 
     @property
     def active(self) -> bool:
@@ -359,6 +371,8 @@ class _DLionSync:
         e = runner.residual[fragment.index]
         if e is not None:
             torch.sub(self.p, u * lr, out=e)
+            if runner.options.ef_decay < 1.0:  # each rank's own drift, bounded
+                e.mul_(runner.options.ef_decay)
         b2 = dl.outer_betas[1]
         fragment.momentum.mul_(b2)
         fragment.momentum.add_(self.p * (1.0 - b2))

@@ -42,6 +42,11 @@ CONFIGS = {
                                 mode="average", votes="ternary", outer_lr=0.5),
     "ef-scale-fragments": dict(outer_options=DLionOuterOptions(error_feedback=True, scale=True),
                                outer_lr=0.5, fragments=3, sync_every=6),
+    "ef-decay": dict(outer_options=DLionOuterOptions(error_feedback=True, ef_decay=0.9),
+                     outer_lr=2e-2),
+    "ef-decay-scale-fragments": dict(outer_options=dict(error_feedback=True, scale=True,
+                                                        ef_decay=0.5),
+                                     outer_lr=0.5, fragments=2, sync_every=4),
 }
 
 
@@ -83,7 +88,8 @@ def reference(before, idx, n, opts, mode="vote", votes="binary", outer_lr=0.0, w
             D = D * (s / n)
         out_theta.append(theta[k] - (D + theta[k] * wd) * outer_lr)
         for r in range(n):
-            out_e[r].append(ps[r][k] - D * outer_lr)
+            e = ps[r][k] - D * outer_lr
+            out_e[r].append(e * opts.ef_decay if opts.ef_decay < 1.0 else e)
             out_m[r].append(before[r][2][i] * b2 + ps[r][k] * (1.0 - b2))
     return out_theta, out_m, out_e
 
@@ -135,7 +141,8 @@ def _worker(rank, n):
         ("ef-scale", dict(on, sync_every=4), (2, 4)),
         ("ef-threshold", dict(outer_options=DLionOuterOptions(True, False, 0.5),
                               votes="ternary", outer_lr=2e-2, sync_every=4), (2, 4)),
-        ("ef-scale-overlap", dict(on, sync_every=4, overlap_steps=1), (4, 5))])
+        ("ef-scale-overlap", dict(on, sync_every=4, overlap_steps=1), (4, 5)),
+        ("ef-decay", dict(CONFIGS["ef-decay"], sync_every=4), (2, 4))])
     return out
 
 
@@ -217,7 +224,7 @@ def test_nonfinite_raises_or_skips_on_every_rank_with_nothing_changed(ranks):
     check_sync([r["nan-skip"] for r in ranks], 6, list(range(4)), N, cfg)  # the next sync
 
 
-@pytest.mark.parametrize("name", ["ef-scale", "ef-threshold", "ef-scale-overlap"])
+@pytest.mark.parametrize("name", ["ef-scale", "ef-threshold", "ef-scale-overlap", "ef-decay"])
 def test_resume_is_exact(ranks, name):
     # params, theta_bar, momenta, residuals (non-zero)
     check_resumes_exact(ranks, name, parts=4, nonzero=3)
@@ -251,6 +258,11 @@ def test_bad_arguments_are_refused(kwargs, error, match):
     (dict(threshold=float("nan")), ValueError, "threshold"),
     (dict(error_feedback=1), TypeError, "error_feedback"),
     (dict(scale="yes"), TypeError, "scale"),
+    (dict(error_feedback=True, ef_decay=0.0), ValueError, "ef_decay"),
+    (dict(error_feedback=True, ef_decay=1.5), ValueError, "ef_decay"),
+    (dict(error_feedback=True, ef_decay=float("nan")), ValueError, "ef_decay"),
+    (dict(error_feedback=True, ef_decay=True), ValueError, "ef_decay"),
+    (dict(ef_decay=0.9), ValueError, "error_feedback=True"),
 ])
 def test_bad_options_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
