@@ -131,10 +131,9 @@ def _bounded_mesh():
                                  mesh_dim_names=("replicate", "shard"))
 
 
-# The mistake found during backward with overlap on: the bucket that finds it gives the step up
-# at once, inside FSDP's reduce-scatter hook, and waits there for the step's last collective
-# over the whole mesh, while its shard group's peer waits for it in FSDP's next reduce-scatter.
-# Run last in the launch (its ranks time out).
+# The mistake found during backward with overlap on, its own test: giving the step up inside
+# FSDP's reduce-scatter hook would wait there for the whole mesh while the shard group's peer
+# waits for this rank in FSDP's next reduce-scatter; it is left for step() to raise.
 IN_BACKWARD = (True, "negative lr before backward")
 ORDER = [(o, c) for o in (False, True) for c in CASES if (o, c) != IN_BACKWARD] + [IN_BACKWARD]
 
@@ -173,11 +172,6 @@ def test_one_decision_at_every_step_on_a_mesh(results):
     assert not wrong, "\n".join(map(str, wrong))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a setting found wrong on one rank during backward (overlap=True) gives the step up inside "
-    "FSDP's reduce-scatter hook and waits there for the whole mesh, while the rank's shard "
-    "group peer waits for it in FSDP's next reduce-scatter; the fix (record the problem and let "
-    "step() give the step up) is in DistributedLion._bucket_ready"))
 def test_setting_found_wrong_during_backward_with_overlap(results):
     wrong = _wrong(results, [IN_BACKWARD])
     assert not wrong, "\n".join(map(str, wrong))
