@@ -13,6 +13,10 @@ The hook returns a completed future holding DDP's own buffer, untouched: DDP cop
 all-reduce runs. DDP's ``no_sync()``, ``find_unused_parameters`` (an unused parameter's gradient
 is zero in the buffer, which D-Lion counts like ``None``) and ``static_graph`` work as usual.
 Parameters of the optimizer that no DDP bucket carried this step are exchanged by ``step()``.
+
+A mistake found by the hook on one rank only (an invalid lr or betas set there before backward)
+never raises inside DDP's backward: that rank sends this and every later bucket flagged "gave
+up", and ``step()`` raises the same error on every rank, naming it, with nothing applied.
 """
 
 import torch
@@ -25,7 +29,14 @@ from .dlion import DistributedLion
 def _dlion_hook(
     opt: DistributedLion, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    opt.exchange_bucket(bucket.parameters(), bucket.gradients())
+    try:
+        opt.exchange_bucket(bucket.parameters(), bucket.gradients())
+    except (TypeError, ValueError):
+        # Bad input or a wrong setting found on this rank only: the bucket went out flagged
+        # "gave up", and so do the step's later buckets. Raising here would stop this rank's
+        # backward, with DDP's reducer mid-iteration, while the others wait for the buckets it
+        # never sends: step() raises instead, the same error on every rank.
+        pass
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

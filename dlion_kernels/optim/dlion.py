@@ -433,7 +433,13 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         if not isinstance(self._path, FlatPath):
             raise ValueError("exchange_bucket runs DDP's buckets on one process group: a "
                              "DistributedLion with hierarchy (L > 1) cannot run them")
-        self._path.exchange_bucket(list(params), list(grads))
+        try:
+            self._path.exchange_bucket(list(params), list(grads))
+        except (TypeError, ValueError) as e:
+            ex = self._path.exchange
+            if ex is not None and ex.aborted and ex.problem is None:
+                ex.problem = e  # what step() names when it raises the step's one verdict
+            raise
 
     def _check_loaded(self, state_dict) -> list:
         """What load_state_dict checks before anything changes (torch.optim's own group checks

@@ -222,10 +222,24 @@ class Path:
         except DistributedStepError:
             self.drop_step()  # a peer failed: the exchange retired the groups it made
             raise
+        except (TypeError, ValueError) as e:
+            if not self.leave_for_step(e):
+                self.fail_in_backward(e)
+                raise
         except BaseException as e:
-            if not self.giving_up and not getattr(e, "dlion_decided", False):
-                self.give_up(e)  # bad input found in backward: give the step up here
+            self.fail_in_backward(e)
             raise
+
+    def fail_in_backward(self, e) -> None:
+        if not self.giving_up and not getattr(e, "dlion_decided", False):
+            self.give_up(e)  # bad input found in backward: give the step up here
+
+    def leave_for_step(self, e) -> bool:
+        """Whether a setting found wrong while a bucket started in backward is left for
+        ``step()`` to raise (the bucket went out flagged "gave up") instead of raising here;
+        only where finishing the step inside backward would wait for peers that wait for this
+        rank (FSDP2)."""
+        return False
 
     def start_bucket(self, bucket) -> None:
         raise NotImplementedError
@@ -487,6 +501,17 @@ class ShardedPath(FlatPath):
     so the engine's guard cannot refuse it first: ``reduced`` notes it (before the engine's
     hook, which may exchange the bucket) and ``step()`` then raises ``RuntimeError`` with
     nothing modified. Accumulate with FSDP2's ``model.set_requires_gradient_sync(False)``."""
+
+    def leave_for_step(self, e) -> bool:
+        # this backward goes on with FSDP's reduce-scatters in this rank's shard group, which
+        # its peers wait for: finishing the step here would wait for them in turn. The bucket
+        # went out flagged "gave up", and so do the later ones: step() raises the same error
+        # on every rank.
+        ex = self.exchange
+        if ex is None or not ex.aborted or self.giving_up:
+            return False
+        ex.problem = ex.problem or e
+        return True
 
     def __init__(self, opt, sharding, *, defer_on_cpu: bool = False):
         super().__init__(opt, defer_on_cpu=defer_on_cpu)
