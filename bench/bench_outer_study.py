@@ -26,6 +26,7 @@ Methods (``--methods``):
 - dlion-scale:     + a per-tensor scale
 - dlion-ef-scale:  + both
 - dlion-ef-tern:   error feedback, ternary votes with threshold 0.5 (2 bits each way)
+- dlion-ef-decay:  error feedback, the residual decayed by 0.9 per sync (``ef_decay=0.9``)
 
 DiLoCo runs use AdamW inner steps (lr 3e-3, weight decay 0.01) for every outer step. Tuning:
 every method's lr (the outer lr for DiLoCo, the lr for the per-step methods) is picked per H
