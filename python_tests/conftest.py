@@ -62,13 +62,6 @@ def pytest_terminal_summary(terminalreporter):
                                 "files (summed over workers)")
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject's default): one worker more than the cores. The gloo tests' ranks
-    spend part of their time waiting on each other and on timeouts, which a third worker fills
-    on two cores."""
-    return (os.cpu_count() or 1) + 1
-
-
 # The longest files start first: the workers take whole files in collection order, and a long
 # file that starts last keeps one worker busy alone at the end. Paths relative to this folder.
 LONGEST_FIRST = ("kernels/test_native.py", "kernels/test_backends.py", "demo/test_digits.py",

@@ -28,7 +28,7 @@ def test_bench_outer_study_smoke(tmp_path):
     rows = {(r["method"], r["H"] or 0): r for r in json.loads(
         (tmp_path / "study.json").read_text())["rows"]}
     methods = {"adamw", "dlion-step", "nesterov", "sparseloco", "dlion", "dlion-ef",
-               "dlion-scale", "dlion-ef-scale", "dlion-ef-tern"}
+               "dlion-scale", "dlion-ef-scale", "dlion-ef-tern", "dlion-ef-decay"}
     assert {m for m, _ in rows} == methods
     for (m, H), r in rows.items():
         trials = {t["lr"]: t["val_loss"] for t in tune if t["method"] == m and t["H"] == H}
@@ -40,6 +40,7 @@ def test_bench_outer_study_smoke(tmp_path):
         assert fp32 <= nes < fp32 + 64
         assert rows[("dlion", H)]["bytes_per_sync"] * 32 <= nes + 32 * 64  # 1 bit each way
         assert rows[("dlion-ef", H)]["bytes_per_sync"] == rows[("dlion", H)]["bytes_per_sync"]
+        assert rows[("dlion-ef-decay", H)]["bytes_per_sync"] == rows[("dlion", H)]["bytes_per_sync"]
         assert rows[("dlion-ef-tern", H)]["bytes_per_sync"] > rows[("dlion", H)]["bytes_per_sync"]
         assert rows[("sparseloco", H)]["bytes_per_sync"] < rows[("dlion", H)]["bytes_per_sync"]
     assert rows[("adamw", 0)]["bytes_per_sync"] == round(fp32)

@@ -1,6 +1,8 @@
 """Every fast backend's three stages against the torch reference, stage by stage; the one voter
 limit of every backend, views at odd offsets, and which backend is chosen on an old GPU."""
 
+import os
+
 import pytest
 import torch
 from conftest import DTYPES, assert_close_storage, backend_device, fast_backends
@@ -130,6 +132,9 @@ def test_apply(backend, votes, mode, dtype, case, n):
     """x and m (kernel stages v2) against the reference; None gradients; with bf16/fp16
     parameters the gradients are fp32 for n = 3 (e.g. node means) and of the parameters' dtype
     otherwise."""
+    if backend == "triton" and case == "1e6" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("Triton's interpreter runs a million elements program by program; the "
+                    "sizes 4097 and mixed already span several programs")
     sizes = SIZES[case]
     device = backend_device(backend)
     gen = torch.Generator().manual_seed(hash((case, mode, votes, n)) % 2**31)
