@@ -26,7 +26,11 @@ def _err(tmp, rank):
     return os.path.join(tmp, f"rank{rank}.err")
 
 
-def _spawned(fn, rank, n, store, out_dir, threads, args):
+def run_rank(fn, rank: int, n: int, store: str, out_dir: str, threads: int, args) -> int:
+    """One rank's run: join the gloo group of the file store ``store``, ``fn(rank, n, *args)``,
+    then leave ``rank{rank}.pt`` (the result) or ``rank{rank}.err`` (the traceback) in
+    ``out_dir``; returns the exit code, 0 or 1. The tests' rank server runs its forked ranks
+    through it too."""
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
         torch.set_num_threads(threads)
@@ -34,11 +38,36 @@ def _spawned(fn, rank, n, store, out_dir, threads, args):
         dist.barrier()  # no rank tears down while another still talks to it
         dist.destroy_process_group()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        code = 0
+        return 0
     except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+        with open(_err(out_dir, rank), "w") as f:
             f.write(traceback.format_exc())
-        code = 1
+        return 1
+
+
+def results(out_dir: str, n: int, fn, killed, why, exit_code) -> list:
+    """The results ``run_rank`` left in ``out_dir``, in rank order; RuntimeError naming every
+    rank that failed instead: its traceback, why it was killed (ranks ``killed``, for ``why``),
+    or its exit code (``exit_code(rank)``)."""
+    errors = []
+    for r in range(n):
+        err = _err(out_dir, r)
+        if os.path.exists(err):
+            with open(err) as f:
+                errors.append(f"rank {r}:\n{f.read()}")
+        elif r in killed:
+            errors.append(f"rank {r}: {why or 'killed'}")
+        elif exit_code(r) != 0:
+            errors.append(f"rank {r}: exit code {exit_code(r)}")
+    if errors:
+        raise RuntimeError(f"{n} gloo ranks of {getattr(fn, '__name__', fn)} failed\n"
+                           + "\n".join(errors))
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(n)]
+
+
+def _spawned(fn, rank, n, store, out_dir, threads, args):
+    code = run_rank(fn, rank, n, store, out_dir, threads, args)
     # Skip interpreter teardown: it can abort (SIGABRT) while gloo's threads are destroyed (seen
     # on CI after every result was written), which would read as a failed rank.
     sys.stdout.flush()
@@ -93,18 +122,4 @@ def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> 
             for p in started:
                 while p.exitcode is None and time.monotonic() < reaped_by:
                     time.sleep(0.01)
-        errors = []
-        for r, p in enumerate(procs):
-            err = _err(tmp, r)
-            if os.path.exists(err):
-                with open(err) as f:
-                    errors.append(f"rank {r}:\n{f.read()}")
-            elif r in killed:
-                errors.append(f"rank {r}: {why or 'killed'}")
-            elif p.exitcode != 0:
-                errors.append(f"rank {r}: exit code {p.exitcode}")
-        if errors:
-            raise RuntimeError(f"{n} gloo ranks of {getattr(fn, '__name__', fn)} failed\n"
-                               + "\n".join(errors))
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(n)]
+        return results(tmp, n, fn, killed, why, lambda r: procs[r].exitcode)

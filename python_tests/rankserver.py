@@ -78,22 +78,15 @@ def _rank(rank, n, job, payload):
         os.environ.update(job["env"])
         sys.path[:] = job["sys_path"]
         os.chdir(job["cwd"])
-        import torch
-        import torch.distributed as dist
+        from dlion_kernels.launch import run_rank
 
         try:
             fn, args = pickle.loads(payload)
             if job.get("bare"):  # fn makes its own process group and leaves its own results
                 fn(rank, n, *args)
-            else:
-                dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
-                                        world_size=n)
-                torch.set_num_threads(job["threads"])
-                result = fn(rank, n, *args)
-                dist.barrier()  # no rank tears down while another still talks to it
-                dist.destroy_process_group()
-                torch.save(result, os.path.join(job["out_dir"], f"rank{rank}.pt"))
-            code = 0
+                code = 0
+            else:  # as launch.spawn's ranks: the result or the traceback left in out_dir
+                code = run_rank(fn, rank, n, job["store"], job["out_dir"], job["threads"], args)
         except BaseException:  # noqa: BLE001 - reported to the caller, whatever it is
             with open(os.path.join(job["out_dir"], f"rank{rank}.err"), "w") as f:
                 f.write(traceback.format_exc())
@@ -304,23 +297,9 @@ def run(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> li
         if broken is not None:
             _discard()
         _replay(tmp, n)
-        errors = []
-        for r in range(n):
-            err = os.path.join(tmp, f"rank{r}.err")
-            if os.path.exists(err):
-                with open(err) as f:
-                    errors.append(f"rank {r}:\n{f.read()}")
-            elif r in killed:
-                errors.append(f"rank {r}: {why or 'killed'}")
-            elif codes.get(r) != 0:
-                errors.append(f"rank {r}: exit code {codes.get(r)}")
-        if errors:
-            raise RuntimeError(f"{n} gloo ranks of {getattr(fn, '__name__', fn)} failed\n"
-                               + "\n".join(errors))
-        import torch
+        from dlion_kernels.launch import results
 
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(n)]
+        return results(tmp, n, fn, killed, why, codes.get)
 
 
 def run_bare(n: int, fn, *args, done, deadline: float) -> dict:
