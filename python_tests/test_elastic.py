@@ -166,6 +166,21 @@ def _wait_for(what, condition, procs, limit=150.0) -> None:
         time.sleep(0.1)
 
 
+def _exit_codes(current, timeout: float) -> list:
+    """The exit codes of the processes ``current``, each joined for up to ``timeout`` seconds."""
+    for p in current:
+        p.join(timeout=timeout)
+    return [p.exitcode for p in current]
+
+
+def _kill_left(procs) -> None:
+    """Kill and reap whichever of ``procs`` still runs (a test that failed midway)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _run(phases, tmp_path) -> dict:
     """3 replicas through ``phases`` ((kind, victims, kill_at, target) each): in each phase its
     victims kill themselves in the same step and are restarted (processes imported ahead) once
@@ -220,14 +235,9 @@ def _run(phases, tmp_path) -> dict:
             gos[p].set()
             for v in victims:
                 current[v] = restarts[(p, v)]
-        for p in current:
-            p.join(timeout=150)
-        codes = [p.exitcode for p in current]
+        codes = _exit_codes(current, 150)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _kill_left(procs)
         for h in houses:
             h.shutdown()
     assert codes == [0] * REPLICAS, f"survivors and restarted replicas must end cleanly: {codes}"

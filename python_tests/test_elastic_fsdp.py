@@ -56,7 +56,7 @@ import pytest
 
 torchft = pytest.importorskip("torchft")
 
-from test_elastic import _vote_bytes, _wait_for  # noqa: E402
+from test_elastic import _exit_codes, _kill_left, _vote_bytes, _wait_for  # noqa: E402
 
 from dlion_kernels.demo.elastic import read_records  # noqa: E402
 
@@ -241,14 +241,9 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
         _wait_for("replica 0 stepping alone", went_on, procs, limit=240)
         go.set()
         current = [firsts[(0, q)] for q in range(SHARDS)] + list(restarts.values())
-        for p in current:
-            p.join(timeout=240)
-        codes = [p.exitcode for p in current]
+        codes = _exit_codes(current, 240)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _kill_left(procs)
         house.shutdown()
     assert codes == [0] * len(codes), f"replica 0 and the restarted replica 1 must end: {codes}"
     records = {(r, q): read_records(path(r, q)) for r in range(REPLICAS) for q in range(SHARDS)}
