@@ -91,6 +91,16 @@ def resumed_runs(rank, n, cases, steps=RESUME_STEPS) -> dict:
             for name, kw, points in cases}
 
 
+def syncs_of(run_result, syncs, numels):
+    """(record, sizes of the tensors that synced) for each sync of ``run_result`` (``run``'s),
+    ``syncs`` mapping a sync's step to its fragment; every other step sent nothing."""
+    for t, r in enumerate(run_result["records"], start=1):
+        if t not in syncs:
+            assert r["stats"] is None and r["counted"] == 0
+            continue
+        yield r, [numels[i] for i in run_result["fragments"][syncs[t]]]
+
+
 def check_resumes_exact(ranks, name, parts, nonzero):
     """On every rank, each resumed run of ``name`` ends bit for bit as the run never
     interrupted, in the first ``parts`` parts of its snapshot (``snap``); part ``nonzero`` (the

@@ -19,6 +19,7 @@ from outer_runs import (
     inner_optimizer,
     resumed_runs,
     run,
+    syncs_of,
 )
 from test_diloco import LR, _inner_step, _model, check_outer_step
 from workers import run_workers
@@ -174,14 +175,9 @@ def test_bytes_per_sync_are_the_exchange_plus_the_scales(ranks, name):
     opts = cfg["outer_options"]
     scale = opts["scale"] if isinstance(opts, dict) else opts.scale
     numels = [p.numel() for p in _model().parameters()]
-    syncing = {t: f for t, f in _syncs(cfg)}
     for rank in ranks:
         rec = rank[name]
-        for t, r in enumerate(rec["records"], start=1):
-            if t not in syncing:
-                assert r["stats"] is None and r["counted"] == 0
-                continue
-            sizes = [numels[i] for i in rec["fragments"][syncing[t]]]
+        for r, sizes in syncs_of(rec, dict(_syncs(cfg)), numels):
             want = exchange_bytes(sizes, N, cfg.get("mode", "vote"), cfg.get("votes", "binary"),
                                   scale)
             assert r["stats"].bytes_sent == want == r["counted"]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from outer_runs import check_resumes_exact, resumed_runs, run
+from outer_runs import check_resumes_exact, resumed_runs, run, syncs_of
 from test_diloco import _inner_step, _model
 from workers import run_workers
 
@@ -140,14 +140,9 @@ def test_each_sync_equals_the_reference_on_every_rank(ranks, name):
 def test_bytes_per_sync_are_the_payload_to_each_peer(ranks, name):
     cfg = CONFIGS[name]
     numels = [p.numel() for p in _model().parameters()]
-    syncs = _syncs(cfg)
     for rank in ranks:
         rec = rank[name]
-        for t, r in enumerate(rec["records"], start=1):
-            if t not in syncs:
-                assert r["stats"] is None and r["counted"] == 0
-                continue
-            sizes = [numels[i] for i in rec["fragments"][syncs[t]]]
+        for r, sizes in syncs_of(rec, _syncs(cfg), numels):
             want = (N - 1) * payload_bytes(sizes, _opts(cfg))
             assert r["stats"].bytes_sent == want == r["counted"]
             assert r["stats"].outer == "sparseloco"
