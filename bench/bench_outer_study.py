@@ -27,6 +27,7 @@ Methods (``--methods``):
 - dlion-ef-scale:  + both
 - dlion-ef-tern:   error feedback, ternary votes with threshold 0.5 (2 bits each way)
 - dlion-ef-decay:  error feedback, the residual decayed by 0.9 per sync (``ef_decay=0.9``)
+- dlion-ef-decay-0.5: the same, decayed by 0.5 (the decay picked on the held-out seed at H = 32)
 
 DiLoCo runs use AdamW inner steps (lr 3e-3, weight decay 0.01) for every outer step. Tuning:
 every method's lr (the outer lr for DiLoCo, the lr for the per-step methods) is picked per H
@@ -65,7 +66,7 @@ LR_GRIDS = {  # 3 trials each, factors of about 2 apart
     "nesterov": (0.5, 0.7, 1.0),
     "sparseloco": (0.7, 1.4, 2.8),
     "dlion": None, "dlion-ef": None, "dlion-ef-tern": None,  # DLION_MULTIPLIERS
-    "dlion-ef-decay": None,
+    "dlion-ef-decay": None, "dlion-ef-decay-0.5": None,
     "dlion-scale": (0.25, 0.5, 1.0),
     "dlion-ef-scale": (0.25, 0.5, 1.0),
 }
@@ -83,6 +84,7 @@ LABELS = {
     "dlion-ef-scale": "DiLoCo-D-Lion + EF + scale",
     "dlion-ef-tern": "DiLoCo-D-Lion + EF, ternary tau 0.5",
     "dlion-ef-decay": "DiLoCo-D-Lion + EF decayed by 0.9 per sync",
+    "dlion-ef-decay-0.5": "DiLoCo-D-Lion + EF decayed by 0.5 per sync",
 }
 OPTIONS = {
     "dlion-ef": dict(error_feedback=True),
@@ -90,6 +92,7 @@ OPTIONS = {
     "dlion-ef-scale": dict(error_feedback=True, scale=True),
     "dlion-ef-tern": dict(error_feedback=True, threshold=0.5),
     "dlion-ef-decay": dict(error_feedback=True, ef_decay=0.9),
+    "dlion-ef-decay-0.5": dict(error_feedback=True, ef_decay=0.5),
 }
 
 

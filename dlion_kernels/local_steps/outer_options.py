@@ -130,7 +130,8 @@ class DLionOuterOptions:
     the ranks' mean |p|, one fp32 per tensor and rank on the wire), ``threshold`` (tau >= 0:
     with ternary votes, elements with |p| < tau * mean|p| of their tensor abstain) and
     ``ef_decay`` (gamma in (0, 1]: the residual is multiplied by gamma at every sync; needs
-    ``error_feedback``). All off: the plain step."""
+    ``error_feedback``). All off: the plain step. ``error_feedback=True, ef_decay=0.5`` came
+    within 1% of DiLoCo-Nesterov's loss in the outer study of docs/diloco.md."""
 
     error_feedback: bool = False
     scale: bool = False

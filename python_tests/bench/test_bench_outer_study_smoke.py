@@ -28,7 +28,8 @@ def test_bench_outer_study_smoke(tmp_path):
     rows = {(r["method"], r["H"] or 0): r for r in json.loads(
         (tmp_path / "study.json").read_text())["rows"]}
     methods = {"adamw", "dlion-step", "nesterov", "sparseloco", "dlion", "dlion-ef",
-               "dlion-scale", "dlion-ef-scale", "dlion-ef-tern", "dlion-ef-decay"}
+               "dlion-scale", "dlion-ef-scale", "dlion-ef-tern", "dlion-ef-decay",
+               "dlion-ef-decay-0.5"}
     assert {m for m, _ in rows} == methods
     for (m, H), r in rows.items():
         trials = {t["lr"]: t["val_loss"] for t in tune if t["method"] == m and t["H"] == H}
