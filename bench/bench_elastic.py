@@ -1,48 +1,64 @@
 """torchft's own DDP against ``dk.DistributedLion(manager=)`` through the same failure, on the
-emulated network.
+emulated network, and the plain ``dk.DistributedLion`` on the same network without a failure.
 
     python bench/bench_elastic.py --rates 1 --repeats 2
 
-Both variants train the same MLP (``--dim`` -> ``--hidden`` -> ``--dim``, ReLU; 16.8M parameters
-by default; each replica regresses its own random inputs onto themselves, ``--batch`` rows) with
-3 replica processes of one rank each, under a torchft Lighthouse, every replica with its own
-TCPStore and ``torchft.Manager`` (gloo, ``min_replica_size=2``, synchronous quorum):
+Every variant trains the same MLP (``--dim`` -> ``--hidden`` -> ``--dim``, ReLU; 16.8M parameters
+by default; each replica regresses its own random inputs onto themselves, ``--batch`` rows, the
+same rows for the same step in every variant) with 3 processes of one rank each. The elastic
+variants run them as replicas under a torchft Lighthouse, every replica with its own TCPStore and
+``torchft.Manager`` (gloo, ``min_replica_size=2``, synchronous quorum):
 
-- torchft-ddp: ``torchft.ddp.DistributedDataParallel`` (its fp32 all-reduce of the gradient
-  buckets through ``Manager.allreduce``) and ``torchft.optim.OptimizerWrapper`` around
-  ``torch.optim.AdamW``; healing copies the model's and AdamW's state dicts;
-- dk-dlion: ``dk.DistributedLion(manager=)`` (vote/binary, ``heal_momentum="own"``); healing
-  copies the parameters and the step count.
+- torchft-allreduce (default): torchft's Manager and ``torchft.optim.OptimizerWrapper`` around
+  ``torch.optim.AdamW``, the gradients in DDP's buckets (25 MB, last layers first), each an fp32
+  all-reduce through ``Manager.allreduce``; healing copies the model's and AdamW's state dicts;
+- torchft-ddp: the same with ``torchft.ddp.DistributedDataParallel`` doing the all-reduce;
+- dk-dlion (default): ``dk.DistributedLion(manager=)`` (vote/binary, ``heal_momentum="own"``);
+  healing copies the parameters and the step count.
 
-The failure: replica 2 is killed with SIGKILL in the middle of step ``--kill-at`` (after its
-forward, before its backward: the others' collectives of that step fail). A process for its
-restart is started with the others (torch imported) and waits; once the survivors have committed
+and one variant is not elastic:
+
+- dk-dlion-plain (default): ``dk.DistributedLion`` (vote/binary, no manager) in a plain
+  ``torch.distributed`` gloo group of the 3 processes (a TCPStore hosted by the first; collective
+  timeout ``--collective-timeout``), ``--steps`` steps with no failure, no Lighthouse, no quorum.
+  The same optimizer on the same wire as dk-dlion: what separates their time per step with 3
+  replicas is what elasticity costs between failures, the quorum that every step asks the
+  Lighthouse for, the Manager's commit decision, and the collectives through the Manager's
+  process group. Its failure figures are "no failure injected".
+
+The failure (elastic variants): replica 2 is killed with SIGKILL in the middle of step ``--kill-at``
+(after its forward, before its backward: the others' collectives of that step fail). A process for
+its restart is started with the others (torch imported) and waits; once the survivors have committed
 step ``--restart-at`` it is told to go, with the same replica id: it joins a quorum, heals from a
 live replica and votes again. The replicas train until a step >= ``--steps`` commits with all 3.
 
 Network (``network.py``): 3 namespaces of one replica each, each node's link shaped to the rate
-(Gbit/s) both ways; the Lighthouse runs in node 0's namespace (its heartbeats and quorum RPCs
-cross the links too). torchft advertises its servers by host name, and the namespaces share the
-machine's host name, which resolves outside them: each replica advertises its node's address
-instead (``Manager(hostname=)``, and the host name its checkpoint server reports). ``--rates 0``:
-no namespaces, all on this machine's loopback (what ``--smoke`` runs; no root needed).
+(Gbit/s) both ways; the Lighthouse and the plain group's TCPStore run in node 0's namespace (their
+RPCs cross the links too). torchft advertises its servers by host name, and the namespaces share the
+machine's host name, which resolves outside them: each replica advertises its node's address instead
+(``Manager(hostname=)``, and the host name its checkpoint server reports). ``--rates 0``: no
+namespaces, all on this machine's loopback (what ``--smoke`` runs; no root needed).
 
-Measured per run, from each replica's line per step attempt (time, torchft step, committed,
-participants) and the links' byte counters:
+Measured per run, from each process's line per step attempt (time, step, committed,
+participants; a plain rank's every step commits with 3) and the links' byte counters:
 
 - ms per committed step with 3 replicas (median of the intervals between two consecutive
-  committed 3-replica steps of replica 0 after ``--warmup`` steps), and with the 2 survivors;
-- steps lost: attempts of a survivor that did not commit (the most over the survivors);
-- time to heal: from the go to the restarted replica's first committed step (its first counted
-  vote, or its first all-reduce that counted for DDP);
+  committed 3-replica steps of replica 0 after ``--warmup`` steps), the same code for every
+  variant, and with the 2 survivors (elastic variants);
+- steps lost (elastic variants): attempts of a survivor that did not commit (the most over the
+  survivors);
+- time to heal (elastic variants): from the go to the restarted replica's first committed step (its
+  first counted vote, or its first all-reduce that counted for DDP);
 - bytes per step: the figure for the step's participants (D-Lion's last_stats, measured on every
   step; DDP: a ring all-reduce of the fp32 gradients, 2 (n-1)/n 4d) and what node 0's link
   carried per committed step over the whole run (healing and the quorum's RPCs included).
 
-The variants run interleaved (ddp, dlion, ddp, dlion, ...) on the same network, so both see the
-same load from whatever else runs on the machine; the load average is recorded at every run.
-Writes bench/results/elastic-<timestamp>/ (or --out): elastic.json/.csv (one row per run),
-summary.md, and elastic-<rate>.png (replica 0's committed steps against time) with matplotlib.
+The variants run interleaved (allreduce, dlion, plain, allreduce, dlion, plain, ...) on the same
+network, so all see the same load from whatever else runs on the machine; the load average is
+recorded at every run. Writes bench/results/elastic-<timestamp>/ (or --out): elastic.json/.csv
+(one row per run), summary.md (the table, then per rate dk-dlion's ms per step with 3 replicas
+next to dk-dlion-plain's and their ratio), and elastic-<rate>.png (replica 0's committed steps
+against time) with matplotlib.
 """
 
 from __future__ import annotations
@@ -60,8 +76,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-VARIANTS = ("torchft-allreduce", "dk-dlion", "torchft-ddp")
-DEFAULT_VARIANTS = VARIANTS[:2]
+PLAIN = "dk-dlion-plain"  # no Manager and no failure: the elastic D-Lion's speed without them
+VARIANTS = ("torchft-allreduce", "dk-dlion", PLAIN, "torchft-ddp")
+DEFAULT_VARIANTS = VARIANTS[:3]
+NO_FAILURE = "no failure injected"
 BUCKET = 25 * 2**20 // 4  # DDP's default bucket_cap_mb, in fp32 elements
 REPLICAS = 3
 VICTIM = 2
@@ -75,6 +93,63 @@ def _load() -> str:
 # ----------------------------------------------------------------------------- processes
 
 
+def _publish(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` at once (renamed into place: a reader never sees half of it)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+
+def _published(path: str) -> str:
+    """What ``_publish`` wrote to ``path``, once it is there (the caller's run is timed out by
+    the parent, which kills it)."""
+    while not os.path.exists(path):
+        time.sleep(0.02)
+    with open(path) as f:
+        return f.read()
+
+
+def _begin(cfg_path: str, index: int):
+    """The start of every training process, elastic replica or plain rank: its run's config,
+    one thread, and ``write(**record)``, which appends one timed JSON line to its record file."""
+    import socket
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    addr = cfg["addrs"][index]
+    if cfg["namespaces"]:  # the host name resolves outside the namespace: advertise the node
+        socket.gethostname = lambda: addr
+    import torch
+
+    torch.set_num_threads(1)
+    lines = open(cfg["out"].format(index), "a")
+
+    def write(**record):
+        lines.write(json.dumps(dict(t=time.time(), **record)) + "\n")
+        lines.flush()
+
+    return cfg, lines, write
+
+
+def _model(cfg):
+    """The MLP, with the same initial weights in every process."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(cfg["dim"], cfg["hidden"]), torch.nn.ReLU(),
+                               torch.nn.Linear(cfg["hidden"], cfg["dim"]))
+
+
+def _forward(net, cfg, step: int, index: int):
+    """Replica ``index``'s loss at ``step``: its own random rows regressed onto themselves (a
+    step tried again gets the same rows)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * step + index)
+    x = torch.randn(cfg["batch"], cfg["dim"], generator=gen)
+    return torch.nn.functional.mse_loss(net(x), x)
+
+
 def _lighthouse(cfg_path: str) -> None:
     """The Lighthouse of one run, in node 0's namespace; writes its port, serves until killed."""
     os.environ.setdefault("RUST_LOG", "warn")
@@ -84,50 +159,31 @@ def _lighthouse(cfg_path: str) -> None:
         cfg = json.load(f)
     house = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"])
     port = house.address().rsplit(":", 1)[1]
-    with open(cfg["lighthouse_file"] + ".tmp", "w") as f:
-        f.write(f"http://{cfg['addrs'][0]}:{port}")
-    os.rename(cfg["lighthouse_file"] + ".tmp", cfg["lighthouse_file"])
+    _publish(cfg["lighthouse_file"], f"http://{cfg['addrs'][0]}:{port}")
     signal.sigwait([signal.SIGTERM, signal.SIGINT])
     house.shutdown()
 
 
 def _replica(cfg_path: str, index: int, restart: bool) -> None:
-    """One replica of one run (module docstring); one JSON line per step attempt."""
-    import socket
-
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    addr = cfg["addrs"][index]
-    if cfg["namespaces"]:  # the host name resolves outside the namespace: advertise the node
-        socket.gethostname = lambda: addr
+    """One replica of one elastic run (module docstring); one JSON line per step attempt."""
     os.environ.setdefault("RUST_LOG", "warn")
+    cfg, lines, write = _begin(cfg_path, index)
+    addr = cfg["addrs"][index]
     from datetime import timedelta
 
     import torch
+    import torch._dynamo  # noqa: F401  (what torch.optim loads at a first step: not in the heal)
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
     from dlion_kernels.demo.elastic import end_replica, read_records
 
-    torch.set_num_threads(1)
-    lines = open(cfg["out"].format(index), "a")
-
-    def write(**record):
-        lines.write(json.dumps(dict(t=time.time(), **record)) + "\n")
-        lines.flush()
-
-    import torch._dynamo  # noqa: F401  (what torch.optim loads at a first step: not in the heal)
-
     if restart:
-        while not os.path.exists(cfg["go_file"]):
-            time.sleep(0.02)
+        _published(cfg["go_file"])
     write(event="start")
-    with open(cfg["lighthouse_file"]) as f:
-        lighthouse = f.read()
-    torch.manual_seed(0)  # the same initial weights on every replica
-    model = torch.nn.Sequential(torch.nn.Linear(cfg["dim"], cfg["hidden"]), torch.nn.ReLU(),
-                                torch.nn.Linear(cfg["hidden"], cfg["dim"]))
+    lighthouse = _published(cfg["lighthouse_file"])
+    model = _model(cfg)
     params = list(model.parameters())
     store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=cfg["timeout"])
@@ -175,9 +231,7 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
         opt.zero_grad()  # the quorum (a restarted replica heals here)
         before = manager.current_step()
         step = before + 1
-        gen = torch.Generator().manual_seed(1000 * step + index)
-        x = torch.randn(cfg["batch"], cfg["dim"], generator=gen)
-        loss = torch.nn.functional.mse_loss(net(x), x)
+        loss = _forward(net, cfg, step, index)
         if (index == VICTIM and not restart and step >= cfg["kill_at"]
                 and manager.num_participants() == REPLICAS):
             lines.close()
@@ -205,6 +259,43 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
         if committed and manager.current_step() >= cfg["steps"] and n == REPLICAS:
             break
     end_replica(lines, manager)
+
+
+def _plain(cfg_path: str, index: int) -> None:
+    """One rank of a plain run: the replicas' model, data and D-Lion in a ``torch.distributed``
+    gloo group of all of them (no Manager, no quorum, no failure); one JSON line per step, in the
+    replicas' record format."""
+    cfg, lines, write = _begin(cfg_path, index)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    import dlion_kernels as dk
+
+    timeout = timedelta(seconds=cfg["timeout"])
+    if index == 0:  # port 0: a free one in this namespace, told to the others through the file
+        store = TCPStore(cfg["addrs"][0], 0, world_size=REPLICAS, is_master=True,
+                         wait_for_workers=False, timeout=timeout)
+        _publish(cfg["store_file"], str(store.port))
+    else:
+        store = TCPStore(cfg["addrs"][0], int(_published(cfg["store_file"])),
+                         world_size=REPLICAS, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=index, world_size=REPLICAS,
+                            timeout=timeout)
+    model = _model(cfg)
+    opt = dk.DistributedLion(list(model.parameters()), lr=cfg["lion_lr"])
+    write(event="ready")
+    for step in range(1, cfg["steps"] + 1):
+        opt.zero_grad()
+        loss = _forward(model, cfg, step, index)
+        loss.backward()
+        opt.step()
+        s = opt.last_stats
+        write(step=step, committed=not s.skipped, n=s.world_size, sent=s.bytes_sent,
+              loss=loss.item())
+    lines.close()
+    dist.destroy_process_group()
 
 
 class Local:
@@ -243,7 +334,8 @@ class Shaped:
 
 
 def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
-    """One variant through the failure on ``net``; returns the row (``measure``)."""
+    """One variant on ``net``, through the failure unless it is ``PLAIN``; returns the row
+    (``measure``)."""
     from dlion_kernels.demo.elastic import read_records
 
     run_dir = os.path.join(tmp, label)
@@ -254,7 +346,8 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
                join_timeout_ms=args.join_timeout_ms,
                out=os.path.join(run_dir, "replica{}.jsonl"),
                go_file=os.path.join(run_dir, "go"),
-               lighthouse_file=os.path.join(run_dir, "lighthouse"))
+               lighthouse_file=os.path.join(run_dir, "lighthouse"),
+               store_file=os.path.join(run_dir, "store"))
     cfg_path = os.path.join(run_dir, "cfg.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
@@ -297,23 +390,29 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     path = cfg["out"].format
     before = [net.counters(k) for k in range(REPLICAS)]
     load_start = _load()
+    go_t = None  # when the restart was told to go; None: no failure (PLAIN)
     try:
-        start("lighthouse", 0, ["--lighthouse", cfg_path])
-        wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]), 120)
-        for i in range(REPLICAS):
-            start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
-        start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
-        wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None, args.timeout)
-        if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
-            fail(f"replica {VICTIM} was to be killed; exit code "
-                 f"{procs[f'replica{VICTIM}'].returncode}")
-        survivors = [i for i in range(REPLICAS) if i != VICTIM]
-        wait("the survivors' steps", lambda: all(
-            any(r.get("committed") and r["step"] >= args.restart_at for r in read_records(path(i)))
-            for i in survivors), args.timeout)
-        go_t = time.time()
-        open(cfg["go_file"], "w").close()
-        names = ["replica0", "replica1", "restart"]
+        if variant == PLAIN:
+            names = [f"rank{i}" for i in range(REPLICAS)]
+            for i, name in enumerate(names):
+                start(name, i, ["--plain-rank", cfg_path, str(i)])
+        else:
+            start("lighthouse", 0, ["--lighthouse", cfg_path])
+            wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]), 120)
+            for i in range(REPLICAS):
+                start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
+            start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
+            wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None, args.timeout)
+            if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
+                fail(f"replica {VICTIM} was to be killed; exit code "
+                     f"{procs[f'replica{VICTIM}'].returncode}")
+            survivors = [i for i in range(REPLICAS) if i != VICTIM]
+            wait("the survivors' steps", lambda: all(
+                any(r.get("committed") and r["step"] >= args.restart_at
+                    for r in read_records(path(i))) for i in survivors), args.timeout)
+            go_t = time.time()
+            open(cfg["go_file"], "w").close()
+            names = ["replica0", "replica1", "restart"]
         wait("the end", lambda: all(procs[k].poll() is not None for k in names), args.timeout)
         codes = {k: procs[k].returncode for k in names}
         if any(codes.values()):
@@ -340,10 +439,14 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
 
 
 def measure(variant, records, go_t, args) -> dict:
+    """One run's row from its processes' records. ``go_t``: when the restarted replica was told
+    to go; None for a run without a failure, whose failure fields (steps lost, time to heal, the
+    2 survivors' figures) are None."""
     steps = [[r for r in rs if "step" in r] for rs in records]
     r0 = steps[0]
     survivors = [i for i in range(REPLICAS) if i != VICTIM]
-    lost = max(sum(not r["committed"] for r in steps[i]) for i in survivors)
+    lost = (None if go_t is None
+            else max(sum(not r["committed"] for r in steps[i]) for i in survivors))
 
     def intervals(n):
         out = []
@@ -354,7 +457,7 @@ def measure(variant, records, go_t, args) -> dict:
         return out
 
     three, two = intervals(3), intervals(2)
-    after = [r for r in records[VICTIM] if r["t"] >= go_t]
+    after = [] if go_t is None else [r for r in records[VICTIM] if r["t"] >= go_t]
     first = next((r for r in after if r.get("committed")), None)
     ready = next((r["t"] for r in after if r.get("event") == "ready"), None)
     committed = [r for r in r0 if r["committed"]]
@@ -396,23 +499,56 @@ def summarize(rows) -> list[dict]:
             out.append(dict(rate_gbps=rate, variant=variant, runs=len(rs),
                             ms_per_step_3=med("ms_per_step_3"),
                             ms_per_step_2=med("ms_per_step_2"),
-                            steps_lost=max(r["steps_lost"] for r in rs),
+                            steps_lost=max((r["steps_lost"] for r in rs
+                                            if r["steps_lost"] is not None), default=None),
                             heal_s=med("heal_s"), ready_s=med("ready_s"),
                             bytes_per_step_3=rs[0]["bytes_per_step_3"],
                             bytes_per_step_2=rs[0]["bytes_per_step_2"],
                             link_bytes_per_committed_step=med("link_bytes_per_committed_step")))
-        ddp = next((s for s in out if s["rate_gbps"] == rate and s["variant"] == VARIANTS[0]
-                    and s.get("ms_per_step_3")), None)
+        ddp, plain = (_timed(out, rate, v) for v in (VARIANTS[0], PLAIN))
         for s in out:
-            if s["rate_gbps"] == rate and ddp and s.get("ms_per_step_3"):
-                s["ddp_time_ratio"] = ddp["ms_per_step_3"] / s["ms_per_step_3"]
+            if s["rate_gbps"] == rate and s.get("ms_per_step_3"):
+                if ddp:
+                    s["ddp_time_ratio"] = ddp["ms_per_step_3"] / s["ms_per_step_3"]
+                if plain:
+                    s["plain_time_ratio"] = s["ms_per_step_3"] / plain["ms_per_step_3"]
     return out
+
+
+def _timed(summary, rate, variant) -> dict | None:
+    """``variant``'s summary row at ``rate`` if it has a time per step with 3 replicas."""
+    return next((s for s in summary if s["rate_gbps"] == rate and s["variant"] == variant
+                 and s.get("ms_per_step_3")), None)
+
+
+def _rate(rate) -> str:
+    return f"{rate:g} Gbit/s" if rate else "loopback"
+
+
+def report(summary) -> str:
+    """summary.md: the table (a run without a failure says so where the failure's figures go),
+    then, per rate, the elastic D-Lion's time per step between failures against the plain one's."""
+    shown = [dict(s, steps_lost=NO_FAILURE) if s["variant"] == PLAIN and "failed" not in s
+             else s for s in summary]
+    lines = [common.markdown_table(shown, COLUMNS)]
+    for rate in dict.fromkeys(s["rate_gbps"] for s in summary):
+        elastic, plain = (_timed(summary, rate, v) for v in ("dk-dlion", PLAIN))
+        if elastic and plain:
+            lines.append(
+                f"{_rate(rate)}: dk-dlion (torchft Manager, a quorum per step) "
+                f"{elastic['ms_per_step_3']:.0f} ms per committed step with 3 replicas between "
+                f"failures, {PLAIN} (a torch.distributed gloo group, no Manager) "
+                f"{plain['ms_per_step_3']:.0f} ms: the elastic step takes "
+                f"{elastic['plain_time_ratio']:.2f}x the plain one's time (what the per-step "
+                "quorum, commit decision and Manager's process group cost).\n")
+    return "\n".join(lines)
 
 
 COLUMNS = [("rate_gbps", "Gbit/s"), ("variant", "variant"), ("runs", "runs"),
            ("ms_per_step_3", "ms / committed step, 3 replicas", ".0f"),
            ("ms_per_step_2", "ms / committed step, 2 survivors", ".0f"),
            ("ddp_time_ratio", "torchft-allreduce's time / this", ".1f"),
+           ("plain_time_ratio", f"this / {PLAIN}'s time", ".2f"),
            ("steps_lost", "steps lost (1 failure)"),
            ("heal_s", "time to heal (s)", ".2f"),
            ("ready_s", "of which store, Manager, model (s)", ".2f"),
@@ -425,15 +561,16 @@ def _plot(out, rate, rows) -> str | None:
     plt = common.pyplot()
     if plt is None:
         return None
+    colors = dict(zip(VARIANTS, ("tab:orange", "tab:blue", "tab:green", "tab:red")))
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for r in rows:
         pts = [(t, s) for t, s, _, c in r["curve"] if c]
+        label = r["variant"] + (f" ({NO_FAILURE})" if r["variant"] == PLAIN else "")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=3,
-                color="tab:blue" if r["variant"] == "dk-dlion" else "tab:orange",
-                label=r["variant"] if r["repeat"] == 0 else None)
+                color=colors[r["variant"]], label=label if r["repeat"] == 0 else None)
     ax.set_xlabel("wall time (s) from replica 0's first step")
     ax.set_ylabel("committed steps")
-    ax.set_title(f"{rate:g} Gbit/s: replica 2 killed, restarted, healed")
+    ax.set_title(f"{_rate(rate)}: replica {VICTIM} killed, restarted, healed")
     ax.legend()
     return common.save_figure(fig, out, f"elastic-{rate:g}")
 
@@ -465,12 +602,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lighthouse", help=argparse.SUPPRESS)
     ap.add_argument("--replica", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-rank", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.lighthouse:
         _lighthouse(args.lighthouse)
         return 0
     if args.replica:
         _replica(args.replica[0], int(args.replica[1]), args.restart)
+        return 0
+    if args.plain_rank:
+        _plain(args.plain_rank[0], int(args.plain_rank[1]))
         return 0
     if args.smoke:
         args.rates, args.repeats, args.dim, args.hidden = [0.0], 1, 64, 128
@@ -508,16 +649,17 @@ def main(argv=None) -> int:
                         rows.append(row)
                         common.save(out, "elastic", [{k: v for k, v in r.items() if k != "curve"}
                                                      for r in rows], meta, partial=True)
+                        failure = (NO_FAILURE if row["steps_lost"] is None else
+                                   f"{row['ms_per_step_2'] or 0:.0f} ms (2), steps lost "
+                                   f"{row['steps_lost']}, heal {row['heal_s'] or -1:.2f} s")
                         print(f"  {row['ms_per_step_3'] or 0:.0f} ms / step (3 replicas), "
-                              f"{row['ms_per_step_2'] or 0:.0f} ms (2), steps lost "
-                              f"{row['steps_lost']}, heal {row['heal_s'] or -1:.2f} s, load "
-                              f"{row['load_end']}", flush=True)
+                              f"{failure}, load {row['load_end']}", flush=True)
             finally:
                 if topo:
                     topo.close()
     meta["load_end"] = _load()
     table = summarize(rows)
-    text = common.markdown_table(table, COLUMNS)
+    text = report(table)
     print(text)
     common.save_text(out, "summary.md", text)
     common.save(out, "elastic", [{k: v for k, v in r.items() if k != "curve"} for r in rows],
