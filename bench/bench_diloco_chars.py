@@ -16,19 +16,25 @@ targets as measured) and each demo's own JSON.
 Wall clock (timed: run it under the shared lock):
 
     flock <lock file> python bench/bench_diloco_chars.py wallclock \\
-        --rates 0.1 1 --iters 320 --extra-iters 160
+        --rates 0.01 0.1 1 --iters 320 --extra-iters 320 --h 8
 
 one emulated network per rate (``network.py``: 4 nodes of 1 rank, each node's link shaped to the
-rate in Gbit/s), 4 rank processes (gloo, 1 thread each) that train every strategy one after the
-other on the demo's model and data (random seed 0), after ``--warmup`` dropped steps. Every
+rate in Gbit/s; by default 10 Mbit/s, 100 Mbit/s and 1 Gbit/s), 4 rank processes (gloo, 1
+thread each) that train every strategy one after the other on the demo's model and data (random
+seed 0), after ``--warmup`` dropped steps: per-step AdamW (all-reduce, the target) and D-Lion
+(vote), and DiLoCo at one H (``--h``) with the fp32 Nesterov outer step, SparseLoCo's, D-Lion's
+vote, and D-Lion's vote with error feedback decayed by 0.5 per sync (``diloco-dlion-ef-decay``);
+``--dlion-lr``, ``--nesterov-lr``, ``--sparseloco-lr`` and ``--dlion-ef-decay-lr`` set their
+outer lrs (default: each strategy's default). Every
 ``--eval-every`` inner steps the clock stops, every rank evaluates the validation loss
 (``Built.evaluation()``: theta_bar for DiLoCo; the evaluation steps are sync steps, so every
 rank holds it), and the clock starts again after a barrier; the per-step strategies get
 ``--extra-iters`` more steps than all-reduce AdamW so that they can reach its final loss. Writes
 ``wallclock.json`` (per strategy and rate, at every evaluation: inner step, training wall time of
 the slowest rank and of every rank, bytes rank 0 sent, validation loss), ``wallclock.md`` (time
-and bytes to reach all-reduce AdamW's final validation loss) and ``wallclock-<rate>.png`` (loss
-against wall time and against bytes).
+and bytes to reach all-reduce AdamW's final validation loss, the first to reach it and each
+strategy's time to it relative to the first's, per rate) and ``wallclock-<rate>.png`` (loss
+against wall time and against bytes). Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -199,7 +205,8 @@ def _worker(cfg_path: str) -> None:
                               weight_decay=a.weight_decay, bucket_mb=chars.BUCKET_MB,
                               sync_every=case["sync_every"], fragments=1,
                               diloco_dlion_lr=case.get("dlion_lr"),
-                              diloco_nesterov_lr=case.get("nesterov_lr"))
+                              diloco_nesterov_lr=case.get("nesterov_lr"),
+                              diloco_sparseloco_lr=case.get("sparseloco_lr"))
         built = b.build(case["strategy"], model, settings)
         curve = [(0, 0.0, 0, chars.val_loss(model, val, evals, a.context, "cpu"))]
         wall = 0.0
@@ -234,14 +241,21 @@ def _worker(cfg_path: str) -> None:
             json.dump(results, f)
 
 
+# the measured strategies after all-reduce AdamW, and which option sets each one's outer lr
+# (the case's key, read as the Settings field of that outer step; diloco-dlion-ef-decay's outer
+# lr is Settings.diloco_dlion_lr, set per case)
+WALLCLOCK = {"dlion-vote": None, "diloco-nesterov": ("nesterov_lr", "nesterov_lr_value"),
+             "diloco-sparseloco": ("sparseloco_lr", "sparseloco_lr_value"),
+             "diloco-dlion": ("dlion_lr", "dlion_lr_value"),
+             "diloco-dlion-ef-decay": ("dlion_lr", "dlion_ef_decay_lr_value")}
+
+
 def _cases(args) -> list[dict]:
     cases = [{"strategy": "adamw-allreduce", "iters": args.iters, "sync_every": args.h}]
-    for slug in ("dlion-vote", "diloco-nesterov", "diloco-dlion"):
+    for slug, lr in WALLCLOCK.items():
         case = {"strategy": slug, "iters": args.iters + args.extra_iters, "sync_every": args.h}
-        if slug == "diloco-dlion" and args.dlion_lr_value is not None:
-            case["dlion_lr"] = args.dlion_lr_value
-        if slug == "diloco-nesterov" and args.nesterov_lr_value is not None:
-            case["nesterov_lr"] = args.nesterov_lr_value
+        if lr is not None and getattr(args, lr[1]) is not None:
+            case[lr[0]] = getattr(args, lr[1])
         cases.append(case)
     return cases
 
@@ -333,7 +347,14 @@ def _wallclock_md(rows, args) -> str:
                          f"{r['bytes_per_step']:,.0f} |")
         reached = [r for r in here if r["reach_s"] is not None]
         first = min(reached, key=lambda r: r["reach_s"]) if reached else None
-        lines += ["", f"First to the target: {first['strategy'] if first else 'none'}.", ""]
+        lines += ["", f"First to the target: {first['strategy'] if first else 'none'}."]
+        if first is not None:
+            lines.append("Time to the target relative to the first: " + ", ".join(
+                f"{r['strategy']} " + ("not reached" if r["reach_s"] is None else
+                                       f"{r['reach_s'] / first['reach_s']:.2f}x")
+                for r in sorted(here, key=lambda r: (r["reach_s"] is None, r["reach_s"] or 0)))
+                + ".")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -383,7 +404,8 @@ def main(argv=None) -> None:
     r = sub.add_parser("summarize", help="quality.md again from a folder's demo-*.json")
     r.add_argument("dir")
     w = sub.add_parser("wallclock", help="loss against wall time and bytes (emulated network)")
-    w.add_argument("--rates", type=float, nargs="+", default=[0.1, 1.0], help="Gbit/s")
+    w.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.1, 1.0],
+                   help="Gbit/s per node (default: 10 Mbit/s, 100 Mbit/s, 1 Gbit/s)")
     w.add_argument("--iters", type=int, default=320, help="all-reduce AdamW's inner steps")
     w.add_argument("--extra-iters", type=int, default=160,
                    help="more inner steps for the other strategies")
@@ -392,6 +414,10 @@ def main(argv=None) -> None:
                    help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
     w.add_argument("--nesterov-lr", dest="nesterov_lr_value", type=float, default=None,
                    help="diloco-nesterov's outer lr (default: DiLoCo's, 0.7)")
+    w.add_argument("--sparseloco-lr", dest="sparseloco_lr_value", type=float, default=None,
+                   help="diloco-sparseloco's outer lr (default: DiLoCo's, 1.0)")
+    w.add_argument("--dlion-ef-decay-lr", dest="dlion_ef_decay_lr_value", type=float,
+                   default=None, help="diloco-dlion-ef-decay's outer lr (default: DiLoCo's, 1e-2)")
     w.add_argument("--eval-every", type=int, default=8, help="a multiple of H")
     w.add_argument("--warmup", type=int, default=16,
                    help="inner steps of the first strategy run first and dropped")

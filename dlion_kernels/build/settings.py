@@ -19,7 +19,8 @@ class Settings:
     ranks_per_node: int = 1  # L: the nodes of hierarchies and alternating-exp-ring
     sync_every: int = 8  # DiLoCo's H: inner steps between two syncs of a fragment
     fragments: int = 1  # DiLoCo's P (Streaming DiLoCo's fragments; H a multiple of P)
-    diloco_dlion_lr: float | None = None  # diloco-dlion's outer lr (None: DiLoCo's default)
+    # diloco-dlion's outer lr, also diloco-dlion-ef's and -ef-decay's (None: DiLoCo's default)
+    diloco_dlion_lr: float | None = None
     diloco_nesterov_lr: float | None = None  # diloco-nesterov's outer lr (None: DiLoCo's)
     # diloco-dlion-ef-scale's outer lr (a scaled step: a fraction of 1) and diloco-sparseloco's
     diloco_scaled_lr: float = 1.0

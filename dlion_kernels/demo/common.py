@@ -61,7 +61,8 @@ def add_common_args(ap: argparse.ArgumentParser, task: str, default_strategies, 
                     help="diloco-*: Streaming DiLoCo's fragments, one syncs every H / P inner "
                     "steps (default 1; H must be a multiple of P)")
     ap.add_argument("--diloco-dlion-lr", type=float, default=None,
-                    help="diloco-dlion's outer lr (default: DiLoCo's, 1e-2)")
+                    help="diloco-dlion's outer lr, also diloco-dlion-ef's and -ef-decay's "
+                         "(default: DiLoCo's, 1e-2)")
     ap.add_argument("--diloco-nesterov-lr", type=float, default=None,
                     help="diloco-nesterov's outer lr (default: DiLoCo's, 0.7)")
     ap.add_argument("--diloco-scaled-lr", type=float, default=1.0,

@@ -72,7 +72,8 @@ intervals during backward; one communication channel, buckets exchanged in order
   J / sqrt(12) e_n / sqrt(H / P) per inner step, normal (mean 0, sigma J) J e_n / sqrt(H / P),
   e_n the expected maximum of n standard normals (the sums' normal approximation). Times, bytes
   and ``comm_ms`` are per inner step (a sync's divided by H / P); ``options`` gives one sync's
-  (``sync_ms``, ``sync_bytes``). ``diloco-dlion-ef`` sends what ``diloco-dlion`` sends, and
+  (``sync_ms``, ``sync_bytes``). ``diloco-dlion-ef`` and ``diloco-dlion-ef-decay`` (the
+  residual decayed at every sync) send what ``diloco-dlion`` sends, and
   ``diloco-dlion-ef-scale`` adds an all_gather of one fp32 per tensor; their outer pass counts
   1.5 passes (the residual read and written) and their state the fp32 residual.
   ``diloco-sparseloco``: an all_gather of every rank's list, the 8-byte header, 8 bytes per
@@ -623,15 +624,17 @@ def _fsdp_row(cl, w, sync: str, *, wire_bytes: int = 4, mode: str = "vote",
 
 
 # DiLoCo's outer steps the model predicts (row ``diloco-<outer>``): the plain 1-bit vote, the
-# fp32 Nesterov step, the vote with error feedback (and a per-tensor scale), SparseLoCo
-DILOCO_OUTERS = ("dlion", "nesterov", "dlion-ef", "dlion-ef-scale", "sparseloco")
+# fp32 Nesterov step, the vote with error feedback (decayed, or with a per-tensor scale),
+# SparseLoCo
+DILOCO_OUTERS = ("dlion", "nesterov", "dlion-ef", "dlion-ef-decay", "dlion-ef-scale",
+                 "sparseloco")
 # SparseLoCo's default density (top 64 of every run of 4096 elements) and its passes over the
 # fragment at a sync (the accumulator, top-k and the dense decode of every rank's values): 2
 SPARSELOCO_DENSITY = 64 / 4096
 # the outer pass of the vote with error feedback reads p and writes the residual as well: 1.5
-# optimizer-like passes
-OUTER_PASSES = {"dlion": 1.0, "nesterov": 1.0, "dlion-ef": 1.5, "dlion-ef-scale": 1.5,
-                "sparseloco": 2.0}
+# optimizer-like passes (the decay scales the residual in that same pass)
+OUTER_PASSES = {"dlion": 1.0, "nesterov": 1.0, "dlion-ef": 1.5, "dlion-ef-decay": 1.5,
+                "dlion-ef-scale": 1.5, "sparseloco": 2.0}
 
 
 def _diloco_row(cl, w, outer, H, P, tau):

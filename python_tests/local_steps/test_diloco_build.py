@@ -1,7 +1,11 @@
 """The diloco-* strategies (the DiLoCo builder of build/) on 3 gloo ranks: each slug builds and
 trains; between syncs its step calls no collective and counts no bytes; at a sync it counts
 DiLoCo's bytes (D-Lion: 1 bit per parameter each way, Nesterov: a ring all-reduce of fp32);
-evaluation runs on theta_bar, the same on every rank, and puts the local parameters back."""
+evaluation runs on theta_bar, the same on every rank, and puts the local parameters back.
+diloco-dlion-ef-decay builds DiLoCo with error feedback decayed by 0.5, sends diloco-dlion-ef's
+bytes and trains differently from it."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,12 +15,13 @@ from workers import run_workers
 
 from dlion_kernels import build as b
 from dlion_kernels import strategies
+from dlion_kernels.build import builders
 from dlion_kernels.local_steps import fragments as frag
 from dlion_kernels.local_steps.outer_options import SparseLoCoOptions
 
 N, H, STEPS = 3, 4, 8
-SLUGS = ["diloco-dlion", "diloco-nesterov", "diloco-dlion-ef", "diloco-dlion-ef-scale",
-         "diloco-sparseloco"]
+SLUGS = ["diloco-dlion", "diloco-nesterov", "diloco-dlion-ef", "diloco-dlion-ef-decay",
+         "diloco-dlion-ef-scale", "diloco-sparseloco"]
 
 
 def _model():
@@ -28,11 +33,23 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
+class _Kept(builders.DiLoCo):
+    """DiLoCo that keeps its last instance (the builder does not hand it out)."""
+
+    last = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _Kept.last = self
+
+
 def _train(rank, n, fragments):
     out = {}
+    builders.DiLoCo = _Kept  # in this worker process only
     for slug in SLUGS:
         settings = b.Settings(adamw_lr=1e-2, sync_every=H, fragments=fragments)
         built = b.build(slug, _model(), settings)
+        options = _Kept.last.outer_options
         steps = []
         for t in range(STEPS):
             torch.manual_seed(100 * rank + t)  # every rank its own data
@@ -46,7 +63,8 @@ def _train(rank, n, fragments):
             evaluated = _flat(built.model)
         out[slug] = dict(steps=steps, local=local, evaluated=evaluated,
                          after=_flat(built.model), mean=built.bytes_per_step,
-                         source=built.bytes_source)
+                         source=built.bytes_source,
+                         options=None if options is None else dataclasses.asdict(options))
     return out
 
 
@@ -99,11 +117,23 @@ def test_diloco_strategies_train_and_send_only_at_syncs(fragments):
         assert same == (fragments == 1), slug
         if fragments == 1:
             assert torch.equal(ranks[0]["local"], ranks[0]["evaluated"]), slug
+    # the options each D-Lion slug built; ef-decay: ef's bytes at every step, another training
+    for slug, scale, decay in [("diloco-dlion-ef", False, 1.0),
+                               ("diloco-dlion-ef-decay", False, 0.5),
+                               ("diloco-dlion-ef-scale", True, 1.0)]:
+        options = dict(error_feedback=True, scale=scale, threshold=0.0, ef_decay=decay)
+        assert all(r[slug]["options"] == options for r in results), slug
+    assert all(r["diloco-dlion"]["options"] is None for r in results)
+    for r in results:
+        ef, decay = r["diloco-dlion-ef"], r["diloco-dlion-ef-decay"]
+        assert [s for _, s in decay["steps"]] == [s for _, s in ef["steps"]]
+        assert not torch.equal(decay["evaluated"], ef["evaluated"])
 
 
 def test_registry():
     for slug, outer in [("diloco-dlion", "dlion"), ("diloco-nesterov", "nesterov"),
-                        ("diloco-dlion-ef", "dlion"), ("diloco-dlion-ef-scale", "dlion"),
+                        ("diloco-dlion-ef", "dlion"), ("diloco-dlion-ef-decay", "dlion"),
+                        ("diloco-dlion-ef-scale", "dlion"),
                         ("diloco-sparseloco", "sparseloco")]:
         s = strategies.get(slug)
         assert (s.family, s.optimizer, s.options["outer"]) == ("diloco", "adamw", outer)

@@ -177,7 +177,7 @@ def test_rows_have_every_strategy_and_are_sorted():
                      "decentralized-alternating-exp-ring-accum-adamw", "fsdp-allreduce",
                      "fsdp-allreduce-bf16", "fsdp-dlion", "fsdp-dlion-overlap",
                      "diloco-dlion", "diloco-nesterov", "diloco-dlion-ef",
-                     "diloco-dlion-ef-scale", "diloco-sparseloco"}
+                     "diloco-dlion-ef-decay", "diloco-dlion-ef-scale", "diloco-sparseloco"}
     assert [r.step_ms for r in rows] == sorted(r.step_ms for r in rows)
     assert model.best(rows) == rows[0].strategy
     for r in rows:

@@ -145,15 +145,20 @@ def test_local_steps_do_not_pay_on_a_fast_link(capsys):
 
 @pytest.mark.parametrize("H, P", [(8, 1), (32, 4)])
 def test_outer_option_rows_hand_computed(H, P):
-    """diloco-dlion-ef sends diloco-dlion's bytes, -ef-scale adds one fp32 per tensor gathered;
-    SparseLoCo gathers (header, 8 bytes per tensor, 2 bytes + 2 bits per kept element); outer
-    passes 1.5 (error feedback) and 2 (SparseLoCo); the residual adds 4 bytes per element."""
+    """diloco-dlion-ef and -ef-decay send diloco-dlion's bytes (the decay is ef's row exactly),
+    -ef-scale adds one fp32 per tensor gathered; SparseLoCo gathers (header, 8 bytes per tensor,
+    2 bytes + 2 bits per kept element); outer passes 1.5 (error feedback) and 2 (SparseLoCo); the
+    residual adds 4 bytes per element."""
     T = 40
     rows = _rows(sync_every=H, fragments=P, tensors=T)
     k, t = H // P, math.ceil(T / P)
     dl, ef, efs, sl = (rows[f"diloco-{o}"] for o in ("dlion", "dlion-ef", "dlion-ef-scale",
                                                      "sparseloco"))
     assert ef.options["sync_bytes"] == pytest.approx(dl.options["sync_bytes"])
+    decay = rows["diloco-dlion-ef-decay"]  # the decay is free: ef's row exactly
+    assert decay.options["sync_bytes"] == pytest.approx(dl.options["sync_bytes"])
+    for field in ("step_ms", "compute_ms", "comm_ms", "bytes_per_rank", "memory_bytes_per_rank"):
+        assert getattr(decay, field) == pytest.approx(getattr(ef, field)), field
     assert efs.options["sync_bytes"] == pytest.approx(dl.options["sync_bytes"] + (N - 1) * 4 * t)
     kept = math.ceil(D / P * 64 / 4096)
     payload = HEADER_WORDS * WORD_BYTES + 8 * t + 2 * kept + math.ceil(kept / 4)
@@ -161,6 +166,7 @@ def test_outer_option_rows_hand_computed(H, P):
     assert sl.bytes_per_rank == pytest.approx((N - 1) * payload / k)
     outer = COMPUTE["opt_ms"] / P
     assert ef.step_ms == pytest.approx(34.0 + (ef.options["sync_ms"] + 1.5 * outer) / k)
+    assert decay.step_ms == pytest.approx(34.0 + (decay.options["sync_ms"] + 1.5 * outer) / k)
     assert sl.step_ms == pytest.approx(34.0 + (sl.options["sync_ms"] + 2.0 * outer) / k)
     assert ef.memory_bytes_per_rank == pytest.approx(dl.memory_bytes_per_rank + 4 * D)
     assert sl.memory_bytes_per_rank == pytest.approx(dl.memory_bytes_per_rank)
