@@ -313,6 +313,11 @@ def _fsdp_diloco_train(rank, n):
                               evaluated_same=all(torch.equal(x, y) for x, y in
                                                  zip(evaluated, shards))))
         out[slug] = dict(steps=steps, source=built.bytes_source)
+    mesh = fsdp_mesh(L, "cpu")
+    out["mesh"] = dict(  # the builders' mesh: rows of L consecutive ranks (its groups' timeout:
+        # test_collectives, where the job's timeout is not torch's default)
+        rows=mesh.mesh.tolist(), shard=dist.get_process_group_ranks(mesh["shard"].get_group()),
+        replicate=dist.get_process_group_ranks(mesh["replicate"].get_group()))
     return out
 
 
@@ -321,7 +326,11 @@ def test_fsdp_diloco_strategies():
     collectives inside the node (nothing between nodes) and the replicas apart; at a sync the
     replicas of every shard identical and the outer step's bytes between nodes; the byte counts
     equal those counted at the collectives; evaluation() swaps theta_bar in and back."""
-    for r in run_workers(N, _fsdp_diloco_train):
+    for rank, r in enumerate(run_workers(N, _fsdp_diloco_train)):
+        mesh = r["mesh"]
+        assert mesh["rows"] == [list(range(i, i + L)) for i in range(0, N, L)]
+        assert mesh["shard"] == list(range(rank - rank % L, rank - rank % L + L))
+        assert mesh["replicate"] == list(range(rank % L, N, L))
         for slug in FSDP_DILOCO:
             got = r[slug]
             assert got["source"] == "SyncStats + formula (FSDP2)"

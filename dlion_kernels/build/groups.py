@@ -29,9 +29,17 @@ def node_groups(L: int):
 
 
 def fsdp_mesh(L: int, device_type: str):
-    """The (N replicas x L shards) device mesh, dims "replicate" and "shard"."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """The (N replicas x L shards) device mesh, dims "replicate" and "shard": row i holds ranks
+    i L .. i L + L - 1. Built on ``node_groups`` (a row is a node, a column the same-local-rank
+    peers) rather than by ``init_device_mesh``, whose groups would take torch's default timeout
+    instead of the job's."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
-    n = dist.get_world_size()
-    return cached(("mesh", L, device_type), lambda: init_device_mesh(
-        device_type, (n // L, L), mesh_dim_names=("replicate", "shard")))
+    def make():
+        shard, replicate = node_groups(L)
+        n = dist.get_world_size()
+        return DeviceMesh.from_group([replicate, shard], device_type,
+                                     mesh=torch.arange(n).view(n // L, L),
+                                     mesh_dim_names=("replicate", "shard"))
+    return cached(("mesh", L, device_type), make)

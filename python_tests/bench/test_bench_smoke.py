@@ -41,7 +41,7 @@ def test_run_all_smoke(tmp_path):
         # bench_network skips without root, the CPU stages without pytest-benchmark
         assert (tmp_path / path).exists() == (status == "ok"), (part, status)
         assert f"## {part} ({status})" in summary
-    assert (tmp_path / "bench_kernels" / "bench_kernels.md").exists()
+    _check_kernels(tmp_path / "bench_kernels")
     _check_comm(tmp_path / "bench_comm")
     if parts["network"]["status"] == "ok":
         data = json.loads((tmp_path / "bench_network" / "bench_network.json").read_text())
@@ -59,6 +59,27 @@ def test_run_all_smoke(tmp_path):
             assert info["bytes_per_elt"] == bytes_per_elt[stage]
             assert info["bytes"] == info["bytes_per_elt"] * info["numel"] and info["gbps"] > 0
         assert (tmp_path / "cpu_stages" / "cpu_stages.md").exists()
+
+
+def _check_kernels(out):
+    """bench_kernels.py's results (run by run_all.py): both shapes, the bytes each stage moves."""
+    data = json.loads((out / "bench_kernels.json").read_text())
+    assert (out / "bench_kernels.csv").exists() and (out / "bench_kernels.md").exists()
+    assert data["metadata"]["command"] and data["metadata"]["gpu"]
+    timed = [r for r in data["rows"] if r.get("ms")]
+    assert {r["op"] for r in timed} >= {"local_step", "apply vote", "step"}
+    assert {r["shape"] for r in timed} == {"flat", "gpt2"}
+    assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in timed)
+    gpt2 = [r for r in timed if r["shape"] == "gpt2"]
+    assert gpt2 and all(r["tensors"] == 148 for r in gpt2)
+    for r in timed:  # the bytes the docstring spells out
+        if r["op"] == "local_step" and r["dtype"] == "fp32":
+            assert r["bytes_per_elt"] == 8.125  # reads g and m, writes 1 bit (stages v2)
+        if r["op"] == "step" and r["dtype"] == "fp32":
+            assert r["bytes_per_elt"] == 28.5  # apply also reads g and m and writes m
+    stdout = (out / "output.txt").read_text()
+    assert "### Targets" in stdout
+    assert "PASS" in stdout or "FAIL" in stdout or "not measured" in stdout
 
 
 def _check_comm(out):

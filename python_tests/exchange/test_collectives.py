@@ -150,13 +150,17 @@ def _probe_worker(rank, n, group, mode):
     """Group timeouts first (every rank), then one collective that the victim never joins."""
     import torch.distributed as dist
 
+    from dlion_kernels.build.groups import fsdp_mesh
     from dlion_kernels.exchange import collectives
 
-    # the last group's own timeout is 30 s, not less: making a group waits for its peers with
+    mesh = fsdp_mesh(n, "cpu")  # the builders' FSDP2 mesh (one replica of n shards)
+    # the fourth group's own timeout is 30 s, not less: making a group waits for its peers with
     # that timeout, and on a loaded machine a peer can be seconds late
     timeouts = [collectives.group_timeout(), collectives.group_timeout(group),
                 collectives.group_timeout(collectives.new_group(range(n))),
-                collectives.group_timeout(collectives.new_group([0, 1], timeout=30))]
+                collectives.group_timeout(collectives.new_group([0, 1], timeout=30)),
+                collectives.group_timeout(mesh["replicate"].get_group()),
+                collectives.group_timeout(mesh["shard"].get_group())]
     start = time.monotonic()
     error = dict(label="probe", applied="nothing to undo")
     try:
@@ -177,16 +181,17 @@ def _probe_worker(rank, n, group, mode):
 def test_dead_peer_names_the_collective_and_step(mode):
     """Rank 2 of 3 is killed just before the collective: ranks 0 and 1 raise DistributedStepError
     naming it, the step and their rank, with the caller's label and what was applied, within
-    the group's timeout plus a margin. The groups made by new_group take the default group's
-    timeout (120 s in the harness), or their own."""
+    the group's timeout plus a margin. The groups made by new_group, and those of the builders'
+    FSDP2 mesh, take the default group's timeout (120 s in the harness, not torch's 30 min), or
+    their own."""
     fault = Fault(rank=2, step=7, point=f"before:{NAME}", action="kill")
     results = run_with_fault(3, _probe_worker, fault, mode, pg_timeout=PG_TIMEOUT,
                              deadline=DEADLINE)
     assert results[2] is None  # the victim left nothing
     for r in (0, 1):
         res = results[r]
-        assert res["timeouts"] == [datetime.timedelta(seconds=s) for s in (120, PG_TIMEOUT, 120,
-                                                                           30)]
+        assert res["timeouts"] == [datetime.timedelta(seconds=s) for s in (
+            120, PG_TIMEOUT, 120, 30, 120, 120)]
         assert (res["step"], res["collective"], res["rank"]) == (7, NAME, r)
         assert res["message"].startswith(f"probe 7: collective {NAME} failed on rank {r}: ")
         assert "; nothing to undo. The process group is no longer usable" in res["message"]

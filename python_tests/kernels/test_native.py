@@ -85,7 +85,9 @@ def test_local_step_and_apply_match_reference(device, dtype, ternary, sizes):
     for a, b in zip(moms, m_before):  # kernel stages v2: the local step only reads m
         assert torch.equal(a, b)
 
-    for n in range(1, 10):
+    # every voter count 1..9 on the small sizes; the million elements (many threads' chunks) check
+    # the chunking with a few, as the pure-torch reference is slow there
+    for n in range(1, 10) if sum(sizes) < 500_000 else (1, 2, 3, 9):
         for mode in ("vote", "average"):
             p_out = aggregate_planes(mode, "ternary" if ternary else "binary", n)
             gen = torch.Generator().manual_seed(n)
