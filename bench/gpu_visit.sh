@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU visit (issue 12). On a machine with a CUDA device it
 #   build    installs the package with the CUDA kernels compiled (pip -e, no build isolation)
-#   tests    runs the whole test suite there (python -m pytest -ra, junit XML kept)
+#   tests    runs the test suite there, without the benchmarks' smoke runs (junit XML kept)
 #   compile  compiles every Triton kernel ahead of time for that device, registers and spills
 #   bench    runs the kernel benchmarks on the GPU (bench/bench_kernels.py --device cuda:
 #            triton.testing.do_bench against a device copy and lion-pytorch's Triton Lion, the
@@ -145,7 +145,8 @@ BUILD_CUDA=0
 if command -v nvcc >/dev/null || [ -n "${CUDACXX:-}" ]; then BUILD_CUDA=1; fi
 step build 0 env DLION_BUILD_CUDA="$BUILD_CUDA" "$PY" -m pip install --no-build-isolation \
   --no-deps -e .
-step tests 1 "$PY" -m pytest -ra -q --junitxml="$RESULTS/pytest.xml"
+# the suite without the benchmark scripts' smoke runs (their own steps below time the GPU)
+step tests 1 "$PY" -m pytest -ra -q -m "not bench and not timing" --junitxml="$RESULTS/pytest.xml"
 step compile 1 env -u TRITON_INTERPRET "$PY" python_tests/kernels/compile_triton.py \
   --arch "$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' \
   2>/dev/null || echo 90)"

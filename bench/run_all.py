@@ -47,7 +47,7 @@ def part_command(part: str, sub: str, args) -> list[str]:
         tests = os.path.join(common.REPO_ROOT, "python_tests", "bench", "test_cpu_stages.py")
         # -n 0: pyproject's addopts run files in parallel, which disables pytest-benchmark
         cmd = [sys.executable, "-m", "pytest", tests, "-n", "0",
-               "-m", "bench", "-p", "no:cacheprovider", "--benchmark-sort=name",
+               "-m", "timing", "-p", "no:cacheprovider", "--benchmark-sort=name",
                "--benchmark-columns=min,median,mean,stddev,rounds",
                f"--benchmark-json={os.path.join(sub, 'pytest_benchmark.json')}"]
         if args.smoke:

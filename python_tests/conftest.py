@@ -64,10 +64,13 @@ def pytest_terminal_summary(terminalreporter):
 
 # The longest files start first: the workers take whole files in collection order, and a long
 # file that starts last keeps one worker busy alone at the end. Paths relative to this folder.
-LONGEST_FIRST = ("kernels/test_native.py", "kernels/test_backends.py", "demo/test_digits.py",
-                 "exchange/test_step.py", "exchange/test_step_distributed.py",
-                 "optim/test_fsdp.py", "test_fault_matrix.py", "test_checkpoint.py",
-                 "optim/test_dlion_overlap_failures.py", "exchange/test_step_failures.py")
+LONGEST_FIRST = ("bench/test_bench_smoke.py", "demo/test_digits.py", "test_checkpoint.py",
+                 "optim/test_fsdp.py", "kernels/test_backends.py",
+                 "exchange/test_step_distributed.py", "bench/test_bench_overlap_smoke.py",
+                 "exchange/test_step.py", "bench/test_bench_elastic_smoke.py",
+                 "test_fault_matrix.py", "bench/test_bench_training_smoke.py",
+                 "kernels/test_native.py", "bench/test_bench_outer_study_smoke.py",
+                 "exchange/test_step_failures.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -101,12 +101,12 @@ def test_run_all_reports_a_failed_part(tmp_path):
     pytest.importorskip("pytest_benchmark")
     env = dict(os.environ, DLION_BENCH_NUMEL="not-a-size")  # the CPU stages fail to collect
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--smoke",
-                           "--no-plot", "--only", "pytest,comm", "--out", str(tmp_path)],
+                           "--no-plot", "--only", "pytest,kernels", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
-    assert "## pytest (FAILED)" in summary and "## comm (ok)" in summary
-    assert (tmp_path / "bench_comm" / "bench_comm.json").exists()
+    assert "## pytest (FAILED)" in summary and "## kernels (ok)" in summary
+    assert (tmp_path / "bench_kernels" / "bench_kernels.json").exists()
 
 
 def test_bench_resize_smoke(tmp_path):

@@ -19,11 +19,11 @@ charged like bench_kernels' ``step``, its non-finite check of the gradient is no
 bytes, and the GB/s of the median. A backend that cannot run here is skipped with the reason.
 The torch reference is timed in 3 rounds of 1 call (1.5-4 s per call at 64M).
 
-It is marked ``bench`` (deselected by pyproject's addopts), so it runs only with ``-m bench``
+It is marked ``timing`` (deselected by pyproject's addopts), so it runs only with ``-m timing``
 (``bench/run_all.py``'s ``pytest`` part runs it so):
 
-    python -m pytest python_tests/bench/test_cpu_stages.py -m bench --benchmark-json=out.json
-    DLION_BENCH_NUMEL=256k python -m pytest python_tests/bench/test_cpu_stages.py -m bench  # quick
+    python -m pytest python_tests/bench/test_cpu_stages.py -m timing --benchmark-json=out.json
+    DLION_BENCH_NUMEL=256k python -m pytest python_tests/bench/test_cpu_stages.py -m timing  # quick
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import dlion_kernels  # noqa: E402
 from dlion_kernels.kernels import backends as dk_backends  # noqa: E402
 
-pytestmark = pytest.mark.bench
+pytestmark = pytest.mark.timing
 
 NUMEL = common.parse_count(os.environ.get("DLION_BENCH_NUMEL", "64M"))
 DTYPE = torch.float32
