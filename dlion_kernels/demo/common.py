@@ -185,6 +185,7 @@ def launch(run, n: int, args):
         if cuda:
             torch.cuda.set_device(device)
         rows = run(rank, n, args, device)
+        dist.barrier()  # no rank tears down while another still talks to it (gloo aborts then)
         dist.destroy_process_group()
         return rows if rank == 0 else None
     try:
