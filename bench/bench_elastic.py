@@ -295,6 +295,7 @@ def _plain(cfg_path: str, index: int) -> None:
         write(step=step, committed=not s.skipped, n=s.world_size, sent=s.bytes_sent,
               loss=loss.item())
     lines.close()
+    dist.barrier()  # no rank tears down while another still talks to it (as launch.run_rank)
     dist.destroy_process_group()
 
 
