@@ -14,11 +14,15 @@
 # (step, status, exit code, seconds, log) and one log per step (plus the benchmark's files).
 #
 #   bash bench/gpu_visit.sh [--steps build,tests,compile,bench,nccl,demo] [--tar FILE]
+#                           [--tests "PYTEST ARGS"] [--bench-args "ARGS"] [--step-seconds N]
 #
 # The results folder is $OUT when set, else bench/results/gpu-<UTC date>/. --tar FILE also packs
 # it into one .tar.gz (the device tool brings back at most 8 files from its $OUT: run with
 # OUT=/tmp/visit ... --tar "$OUT/gpu-visit.tar.gz"). --steps runs a subset (one device command
-# may last 10 minutes: split a visit into calls, each with its own folder).
+# may last 10 minutes: split a visit into calls, each with its own folder). --tests replaces the
+# suite with the given pytest arguments (paths, -k ...), --bench-args adds arguments to
+# bench_kernels.py (--sizes 16M,64M ...), and --step-seconds stops a step that runs longer (SIGINT,
+# so pytest still writes its summary and XML; recorded with exit code 124 or 130).
 #
 # Without a visible CUDA device (or with GPU_VISIT_DRY=1) every GPU step is recorded as skipped
 # with the reason and the script still exits 0; the build runs unless --steps leaves it out. The
@@ -29,13 +33,20 @@ cd "$(dirname "$0")/.."
 
 STEPS="build,tests,compile,bench,nccl,demo"
 TAR=""
+TESTS=""
+BENCH_ARGS=""
+STEP_SECONDS=""
 COMMAND="$0 $*"
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS="$2"; shift 2 ;;
     --tar) TAR="$2"; shift 2 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
-    *) echo "gpu_visit.sh: unknown argument $1 (--steps LIST, --tar FILE)" >&2; exit 2 ;;
+    --tests) TESTS="$2"; shift 2 ;;
+    --bench-args) BENCH_ARGS="$2"; shift 2 ;;
+    --step-seconds) STEP_SECONDS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    *) echo "gpu_visit.sh: unknown argument $1 (--steps LIST, --tar FILE, --tests ARGS," \
+         "--bench-args ARGS, --step-seconds N)" >&2; exit 2 ;;
   esac
 done
 for s in ${STEPS//,/ }; do
@@ -130,7 +141,9 @@ step() {
   echo "== $name: $*"
   local start end rc
   start=$(date +%s)
-  { echo "\$ $*"; "$@"; } > "$RESULTS/$name.log" 2>&1
+  local limit=()
+  if [ -n "$STEP_SECONDS" ]; then limit=(timeout -s INT -k 20 "$STEP_SECONDS"); fi
+  { echo "\$ $*"; "${limit[@]}" "$@"; } > "$RESULTS/$name.log" 2>&1
   rc=$?
   end=$(date +%s)
   local status=ok
@@ -146,11 +159,14 @@ if command -v nvcc >/dev/null || [ -n "${CUDACXX:-}" ]; then BUILD_CUDA=1; fi
 step build 0 env DLION_BUILD_CUDA="$BUILD_CUDA" "$PY" -m pip install --no-build-isolation \
   --no-deps -e .
 # the suite without the benchmark scripts' smoke runs (their own steps below time the GPU)
-step tests 1 "$PY" -m pytest -ra -q -m "not bench and not timing" --junitxml="$RESULTS/pytest.xml"
+# shellcheck disable=SC2086  # --tests and --bench-args are word lists on purpose
+step tests 1 "$PY" -m pytest -ra -q -m "not bench and not timing" --junitxml="$RESULTS/pytest.xml" \
+  $TESTS
 step compile 1 env -u TRITON_INTERPRET "$PY" python_tests/kernels/compile_triton.py \
   --arch "$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' \
   2>/dev/null || echo 90)"
-step bench 1 "$PY" bench/bench_kernels.py --device cuda --out "$RESULTS/bench_kernels"
+# shellcheck disable=SC2086
+step bench 1 "$PY" bench/bench_kernels.py --device cuda --out "$RESULTS/bench_kernels" $BENCH_ARGS
 step nccl 1 "$PY" -m torch.distributed.run --nproc-per-node 1 bench/gpu_nccl_check.py \
   --out "$RESULTS/nccl.jsonl"
 step demo 1 "$PY" -m torch.distributed.run --nproc-per-node 1 -m dlion_kernels.demo --epochs 10
