@@ -62,7 +62,7 @@ def make_header(flag: torch.Tensor, step: int, word: int = 0) -> torch.Tensor:
     settings digest, ``settings_word``)."""
     header = torch.empty(HEADER_WORDS, dtype=torch.int32, device=flag.device)
     header[0:1] = (flag != 0).to(torch.int32) * NONFINITE | word
-    header[1] = step % _STEP_MOD
+    header[1:2].fill_(step % _STEP_MOD)  # a kernel argument: item assignment would copy from host
     return header
 
 

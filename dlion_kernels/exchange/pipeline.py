@@ -343,8 +343,8 @@ def update_momentum(rows, skip=None) -> None:
     where ``skip`` (device flag) is set."""
     for r in rows:
         device = r.exp_avg.device
-        b2 = torch.tensor(r.segment.beta2, dtype=torch.float32, device=device)
-        omb2 = torch.tensor(1.0 - r.segment.beta2, dtype=torch.float32, device=device)
+        b2 = torch.full((), r.segment.beta2, dtype=torch.float32, device=device)
+        omb2 = torch.full((), 1.0 - r.segment.beta2, dtype=torch.float32, device=device)
         new = b2 * r.exp_avg + omb2 * r.grad
         r.exp_avg.copy_(new if skip is None else torch.where(skip != 0, r.exp_avg, new))
 
@@ -540,9 +540,11 @@ class Exchange:
                 w.wait()
             if self.works:
                 headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
-                word = torch.tensor([settings_word(ABORTED if self.aborted else 0,
-                                                   self.segments)],
-                                    dtype=torch.int32, device=self.device)
+                # torch.full: a fill kernel (torch.tensor would copy from pageable host memory,
+                # a host sync on CUDA)
+                word = torch.full((1,), settings_word(ABORTED if self.aborted else 0,
+                                                      self.segments),
+                                  dtype=torch.int32, device=self.device)
                 if agree is not None:
                     headers = agree(headers, word)
                 elif self.late and self.n > 1:

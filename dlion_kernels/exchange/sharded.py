@@ -364,7 +364,7 @@ class ShardAgreement:
         if word is not None:
             flags = flags | word.to(flags.device)  # ABORTED, and the settings as step() reads them
         mine = torch.cat([flags, own[:1, 1]]) if own.shape[0] else \
-            torch.tensor([int(flags), self.step], dtype=torch.int32, device=headers.device)
+            torch.cat([flags.to(torch.int32), flags.new_full((1,), self.step, dtype=torch.int32)])
         mine = mine.to(torch.int32).contiguous()
         n = self.sharding.replicas * self.shards
         if n == 1:

@@ -18,6 +18,7 @@ import torch
 from . import native
 from .accum_reference import ADAMW_SCALARS, LION_SCALARS, adamw_scalars, lion_scalars
 from .errors import BackendUnavailable
+from .tables import to_device
 
 _backends: dict = {}
 
@@ -59,7 +60,7 @@ class _AccumBackend:
             chunks += -(-n // self._chunk) if self._chunk else 0
         table = torch.tensor([*rows[:5], numels, first, rows[5]], dtype=torch.int64).view(8, -1)
         if self.cuda:
-            table = table.to(lists[0][0].device)
+            table = to_device(table, lists[0][0].device)
         entry = (table, len(numels), chunks)
         self._tables[key] = entry
         if len(self._tables) > native.TABLE_CACHE_SIZE:

@@ -28,6 +28,7 @@ import torch
 from . import reference
 from .errors import BackendUnavailable
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
+from .tables import to_device
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _REBUILD = "reinstall with `pip install -e .` (or `pip install .`) from the source tree"
@@ -174,7 +175,7 @@ class _Table:
         c_row = [0] * count if c_row is None else c_row
         table = torch.tensor([*rows, chunk_starts, c_row], dtype=torch.int64)
         if device.type == "cuda":
-            table = table.to(device)
+            table = to_device(table, device)
         self.tensor = table
         self.address = table.data_ptr()
         self.count = count

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
 from .reference import nonfinite
+from .tables import to_device
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # No fused multiply-add on the GPU: c = b1*m + omb1*g must round after each operation, as in the
@@ -515,7 +516,8 @@ def launch_tables(kind, device, lists, numels, offsets, block):
         prog = torch.repeat_interleave(
             torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
         )
-        launches.append((meta.to(device), prog.to(device), first, aligned, base_index))
+        launches.append((to_device(meta, device), to_device(prog, device), first, aligned,
+                         base_index))
     if len(_TABLES) >= _MAX_CACHED_TABLES:
         _TABLES.pop(next(iter(_TABLES)))
     _TABLES[key] = launches

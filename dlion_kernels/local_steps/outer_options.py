@@ -449,7 +449,7 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_codes(packed: torch.Tensor, count: int) -> torch.Tensor:
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:count]
 
 

@@ -356,8 +356,18 @@ def test_mixed_alignment(backend, dtype):
 
     kernels = backends.get(backend)
     to = (lambda t: t.to(device)) if device.type != "cpu" else (lambda t: t)
-    x = [to(p.clone()) if device.type != "cpu" else p for p in params]
-    g = [to(t) for t in grads]
+    # on a GPU the views are taken again from device copies of the flat buffers (a copy of a
+    # view alone would be aligned)
+    dev_x, dev_g = to(flat_x.clone()), to(flat_g)
+    x, g, at = [], [], 0
+    for i, s in enumerate(sizes):
+        if i % 2 == 0:
+            x.append(to(params[i].clone()) if device.type != "cpu" else params[i])
+            g.append(to(grads[i]))
+        else:
+            x.append(dev_x[at + 1 : at + 1 + s] if device.type != "cpu" else params[i])
+            g.append(dev_g[at + 1 : at + 1 + s])
+            at += s + 1
     m = [to(t.clone()) for t in moms]
     votes = torch.zeros(total, dtype=torch.int32, device=device)
     kernels.local_step(g, m, votes, offsets, 0.9, False)
