@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from decisions import identical, loss, outcome, stepped_once
+from decisions import Net, identical, loss, outcome, stepped_once
 from workers import run_workers
 
 import dlion_kernels as dk
@@ -102,6 +102,47 @@ def test_errors_then_fresh_start():
                 assert "failed on ranks [2]" in got["error"][1], where
             assert got["unchanged"], where
             assert got["fresh"], where
+
+
+def _built_again_worker(rank, n):
+    """A second overlap optimizer on the same model while the first still lives: once after a
+    finished step, once with the first one's step in flight (backward done, no step())."""
+    out = {}
+    for when in ("after step", "in flight"):
+        net, old = stepped_once(rank, lr=1e-2, overlap=True, bucket_mb=1e-6)
+        if when == "in flight":
+            loss(net, rank, 1).backward()  # buckets exchanged during backward, step() not called
+        new = dk.DistributedLion(net.parameters(), lr=1e-2, overlap=True, bucket_mb=1e-6)
+        new.zero_grad(set_to_none=True)
+        before = [p.detach().clone() for p in net.parameters()]
+        seen = outcome(old.step)  # the old one refuses, changing nothing
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+        # the new one steps as an optimizer built alone on a model in this state would
+        twin = Net()
+        twin.load_state_dict(net.state_dict())
+        alone = dk.DistributedLion(twin.parameters(), lr=1e-2, overlap=True, bucket_mb=1e-6)
+        for t in (2, 3, 4):
+            for model, opt in ((net, new), (twin, alone)):
+                opt.zero_grad(set_to_none=True)
+                loss(model, rank, t).backward()
+                opt.step()
+        same = all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
+        out[when] = dict(error=seen, unchanged=unchanged, same=same,
+                         identical=identical(list(net.parameters())))
+    return out
+
+
+def test_overlap_optimizer_built_again_on_the_same_model():
+    """Two overlap optimizers on one model: the newer takes over the parameters' backward hooks
+    (without it, its first backward met the older one's hooks and was refused as a second
+    backward); the older one's in-flight collectives are completed, and its step() raises on
+    every rank, changing nothing."""
+    results = run_workers(2, _built_again_worker)
+    for r, res in enumerate(results):
+        for when, got in res.items():
+            assert got["error"][0] == "RuntimeError", (r, when, got)
+            assert "took over" in got["error"][1], (r, when, got)
+            assert got["unchanged"] and got["same"] and got["identical"], (r, when, got)
 
 
 # ----------------------------------------------------------------------------- the fault matrix

@@ -58,6 +58,10 @@ from .collectives import collective
 
 _MIB = 1 << 20
 
+# The engine whose hooks a parameter carries: id(param) -> (weakref(param), weakref(engine)).
+# Kept here, not on the parameter: a weakref attribute would make the model unpicklable.
+_HOOKED: dict[int, tuple] = {}
+
 
 class WeakHook:
     """A tensor hook that calls ``owner.<method>(*bound, *args)`` while ``owner`` lives, and
@@ -179,6 +183,30 @@ class BucketEngine:
             self._handles.append(
                 p.register_post_accumulate_grad_hook(WeakHook(self, "_grad_ready", i)))
         remove_when_collected(self, self._handles)
+        self.replaced = False  # a newer engine took over these parameters' hooks
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """One engine per parameter: an older live engine hooking any of these parameters (an
+        optimizer built again on the same model, the old one not yet collected) stops. Two
+        engines would each exchange a gradient and then see the other's hook as a second
+        backward."""
+        for key in [k for k, (p, e) in _HOOKED.items() if p() is None or e() is None]:
+            del _HOOKED[key]
+        for p in self.params:
+            previous = _HOOKED.get(id(p))
+            engine = previous[1]() if previous is not None and previous[0]() is p else None
+            if engine is not None and engine is not self and not engine.replaced:
+                engine.stop()
+            _HOOKED[id(p)] = (weakref.ref(p), weakref.ref(self))
+
+    def stop(self) -> None:
+        """Replaced by a newer engine: the collectives of this iteration's buckets are completed
+        (``on_misuse``: none may stay pending on the group), the hooks removed."""
+        if self.on_misuse is not None and (self._next > 0 or any(self._done)):
+            self.on_misuse()
+        self.remove()
+        self.replaced = True
 
     # ------------------------------------------------------------------------- hooks
 
