@@ -157,7 +157,8 @@ def _lighthouse(cfg_path: str) -> None:
 
     with open(cfg_path) as f:
         cfg = json.load(f)
-    house = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"])
+    house = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"],
+                             quorum_tick_ms=cfg["quorum_tick_ms"])
     port = house.address().rsplit(":", 1)[1]
     _publish(cfg["lighthouse_file"], f"http://{cfg['addrs'][0]}:{port}")
     signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -228,7 +229,10 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
                       for i in range(REPLICAS)):
             time.sleep(0.05)
     while True:
+        t0 = time.perf_counter()
         opt.zero_grad()  # the quorum (a restarted replica heals here)
+        t1 = time.perf_counter()
+        quorum_s = t1 - t0
         before = manager.current_step()
         step = before + 1
         loss = _forward(net, cfg, step, index)
@@ -246,7 +250,10 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
                 for p in b:
                     p.grad.copy_(f[offset:offset + p.numel()].view_as(p.grad))
                     offset += p.numel()
+        t0 = time.perf_counter()
+        compute_s = t0 - t1
         opt.step()
+        step_s = time.perf_counter() - t0
         n = manager.num_participants()
         if ddp:
             committed = manager.current_step() > before
@@ -255,7 +262,8 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
             s = opt.last_stats
             committed, sent = s.committed, s.bytes_sent
         write(step=manager.current_step(), committed=committed, n=n, sent=sent,
-              loss=loss.item())
+              loss=loss.item(), quorum_ms=round(1e3 * quorum_s, 1),
+              compute_ms=round(1e3 * compute_s, 1), step_ms=round(1e3 * step_s, 1))
         if committed and manager.current_step() >= cfg["steps"] and n == REPLICAS:
             break
     end_replica(lines, manager)
@@ -288,12 +296,16 @@ def _plain(cfg_path: str, index: int) -> None:
     write(event="ready")
     for step in range(1, cfg["steps"] + 1):
         opt.zero_grad()
+        t1 = time.perf_counter()
         loss = _forward(model, cfg, step, index)
         loss.backward()
+        t0 = time.perf_counter()
         opt.step()
+        step_s = time.perf_counter() - t0
         s = opt.last_stats
         write(step=step, committed=not s.skipped, n=s.world_size, sent=s.bytes_sent,
-              loss=loss.item())
+              loss=loss.item(), quorum_ms=0.0, compute_ms=round(1e3 * (t0 - t1), 1),
+              step_ms=round(1e3 * step_s, 1))
     lines.close()
     dist.barrier()  # no rank tears down while another still talks to it (as launch.run_rank)
     dist.destroy_process_group()
@@ -344,7 +356,7 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     cfg = dict(variant=variant, addrs=net.addrs, namespaces=net.namespaces, dim=args.dim,
                hidden=args.hidden, batch=args.batch, steps=args.steps, kill_at=args.kill_at,
                lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, timeout=args.collective_timeout,
-               join_timeout_ms=args.join_timeout_ms,
+               join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=args.quorum_tick_ms,
                out=os.path.join(run_dir, "replica{}.jsonl"),
                go_file=os.path.join(run_dir, "go"),
                lighthouse_file=os.path.join(run_dir, "lighthouse"),
@@ -458,6 +470,12 @@ def measure(variant, records, go_t, args) -> dict:
         return out
 
     three, two = intervals(3), intervals(2)
+    # where rank 0's 3-replica steps go: the quorum (zero_grad) and the exchange with the commit
+    # decision (step); the rest is forward, backward and the records
+    settled = [r for r in r0 if r["committed"] and r["n"] == 3 and r["step"] >= args.warmup]
+    quorum = [r["quorum_ms"] for r in settled if "quorum_ms" in r]
+    compute = [r["compute_ms"] for r in settled if "compute_ms" in r]
+    exchange = [r["step_ms"] for r in settled if "step_ms" in r]
     after = [] if go_t is None else [r for r in records[VICTIM] if r["t"] >= go_t]
     first = next((r for r in after if r.get("committed")), None)
     ready = next((r["t"] for r in after if r.get("event") == "ready"), None)
@@ -469,6 +487,9 @@ def measure(variant, records, go_t, args) -> dict:
                 final_step=committed[-1]["step"] if committed else 0,
                 ms_per_step_3=1e3 * statistics.median(three) if three else None,
                 ms_per_step_2=1e3 * statistics.median(two) if two else None,
+                quorum_ms_3=statistics.median(quorum) if quorum else None,
+                compute_ms_3=statistics.median(compute) if compute else None,
+                step_call_ms_3=statistics.median(exchange) if exchange else None,
                 intervals_3=len(three), intervals_2=len(two), steps_lost=lost,
                 heal_s=None if first is None else first["t"] - go_t,
                 ready_s=None if ready is None else ready - go_t,
@@ -500,6 +521,8 @@ def summarize(rows) -> list[dict]:
             out.append(dict(rate_gbps=rate, variant=variant, runs=len(rs),
                             ms_per_step_3=med("ms_per_step_3"),
                             ms_per_step_2=med("ms_per_step_2"),
+                            quorum_ms_3=med("quorum_ms_3"), compute_ms_3=med("compute_ms_3"),
+                            step_call_ms_3=med("step_call_ms_3"),
                             steps_lost=max((r["steps_lost"] for r in rs
                                             if r["steps_lost"] is not None), default=None),
                             heal_s=med("heal_s"), ready_s=med("ready_s"),
@@ -548,6 +571,9 @@ def report(summary) -> str:
 COLUMNS = [("rate_gbps", "Gbit/s"), ("variant", "variant"), ("runs", "runs"),
            ("ms_per_step_3", "ms / committed step, 3 replicas", ".0f"),
            ("ms_per_step_2", "ms / committed step, 2 survivors", ".0f"),
+           ("quorum_ms_3", "quorum, 3 replicas (ms)", ".0f"),
+           ("compute_ms_3", "forward and backward (ms)", ".0f"),
+           ("step_call_ms_3", "step() (ms)", ".0f"),
            ("ddp_time_ratio", "torchft-allreduce's time / this", ".1f"),
            ("plain_time_ratio", f"this / {PLAIN}'s time", ".2f"),
            ("steps_lost", "steps lost (1 failure)"),
@@ -597,6 +623,9 @@ def main(argv=None) -> int:
                     help="the Lighthouse's wait for a replica that heartbeats but has not asked "
                     "for the quorum yet (default 5000: on a loaded machine steps of the replicas "
                     "end seconds apart, and with 1000 the quorums split into pairs)")
+    ap.add_argument("--quorum-tick-ms", type=int, default=100,
+                    help="how often the Lighthouse looks for a quorum while replicas are missing "
+                    "from it (torchft's default 100)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per run (s)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--keep-failed", default=None, help=argparse.SUPPRESS)
@@ -653,8 +682,11 @@ def main(argv=None) -> int:
                         failure = (NO_FAILURE if row["steps_lost"] is None else
                                    f"{row['ms_per_step_2'] or 0:.0f} ms (2), steps lost "
                                    f"{row['steps_lost']}, heal {row['heal_s'] or -1:.2f} s")
-                        print(f"  {row['ms_per_step_3'] or 0:.0f} ms / step (3 replicas), "
-                              f"{failure}, load {row['load_end']}", flush=True)
+                        print(f"  {row['ms_per_step_3'] or 0:.0f} ms / step (3 replicas: "
+                              f"quorum {row['quorum_ms_3'] or 0:.0f} ms, forward and backward "
+                              f"{row['compute_ms_3'] or 0:.0f} ms, step() "
+                              f"{row['step_call_ms_3'] or 0:.0f} ms), {failure}, "
+                              f"load {row['load_end']}", flush=True)
             finally:
                 if topo:
                     topo.close()
