@@ -17,6 +17,7 @@ a CUDA stream handle, so the same build works with any installed torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -51,6 +52,40 @@ def _working_tool(name: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """One build of ``folder`` at a time (a second waits): two builds of one CMake folder would
+    write the same files."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        yield
+        return
+    with open(folder / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _stable_pybind11(build_root: Path) -> str:
+    """pybind11's CMake folder, from a copy of the package kept in the build folder. pip builds in
+    a new temporary environment every time: pointing CMake at that environment's pybind11 would
+    change the compile commands and recompile everything at each install."""
+    import pybind11
+
+    package = Path(pybind11.__file__).resolve().parent
+    cmake_dir = Path(pybind11.get_cmake_dir()).resolve()
+    copy = build_root / f"pybind11-{pybind11.__version__}"
+    done = copy / ".copied"
+    if not done.exists():
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(package, copy)
+        done.touch()
+    return str(copy / cmake_dir.relative_to(package))
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         cmake = _working_tool("cmake")
@@ -60,13 +95,15 @@ class CMakeBuild(build_ext):
                 "`cmake` is on PATH. Install it (e.g. `apt install cmake`, `conda install cmake` "
                 "or `pip install cmake`) and retry."
             )
-        import pybind11
-
         extdir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         # A build folder that outlives pip's temporary one, so that rebuilds are incremental.
         build_root = os.environ.get("DLION_BUILD_DIR") or ROOT / "build"
         build_temp = Path(build_root).resolve() / f"cmake-{sys.implementation.cache_tag}"
         build_temp.mkdir(parents=True, exist_ok=True)
+        with _locked(build_temp):
+            self._cmake(cmake, extdir, Path(build_root).resolve(), build_temp)
+
+    def _cmake(self, cmake: str, extdir: Path, build_root: Path, build_temp: Path) -> None:
         config = "Debug" if self.debug else "Release"
 
         args = [
@@ -74,7 +111,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY_{config.upper()}={extdir}",
             f"-DCMAKE_BUILD_TYPE={config}",
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-Dpybind11_DIR={_stable_pybind11(build_root)}",
             f"-DDLION_BUILD_CUDA={os.environ.get('DLION_BUILD_CUDA', 'auto') or 'auto'}",
         ]
         archs = os.environ.get("DLION_CUDA_ARCHS")

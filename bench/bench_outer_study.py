@@ -472,13 +472,13 @@ def parse_args(argv=None):
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     ap.add_argument("--workers", type=int, default=WORKERS)
     ap.add_argument("--smoke", action="store_true",
-                    help="2 workers, 32 steps, H 4 and 8, 2 lrs, 1 seed, every method: runs "
-                    "every path fast")
+                    help="2 workers, 16 steps, H 8, 2 lrs, 1 seed, every method: runs every "
+                    "path fast")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.summarize = None
     if args.smoke:
-        args.workers, args.steps, args.sync_every, args.seeds = 2, 32, [4, 8], [0]
+        args.workers, args.steps, args.sync_every, args.seeds = 2, 16, [8], [0]
         args.methods = list(METHODS)
     if args.workers < 2 or args.steps < 1 or any(h < 1 for h in args.sync_every):
         ap.error("--workers must be >= 2, --steps and --sync-every >= 1")
