@@ -370,12 +370,12 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
             self._elastic.step()
             return loss
         attached_group(self.group, self)
+        self._runtime()
         if self._path.engine is not None and self._path.engine.replaced:
             raise RuntimeError(
                 "this DistributedLion no longer steps: a DistributedLion(overlap=True) built "
                 "later on the same parameters took over their backward hooks; step that one "
                 "(nothing was modified)")
-        self._runtime()
         return self._path.step(closure, grad_scaler)
 
     def no_sync(self):
