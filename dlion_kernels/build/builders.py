@@ -173,8 +173,7 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
     if o["outer"] == "dlion":
         kw.update(mode=o["mode"], backend=s.backend)
     if o.get("error_feedback") or o.get("scale"):  # DLionOuterOptions
-        kw["outer_options"] = dict(error_feedback=o["error_feedback"], scale=o["scale"],
-                                   ef_decay=o.get("ef_decay", 1.0))
+        kw["outer_options"] = {k: o[k] for k in ("error_feedback", "scale", "ef_decay") if k in o}
         lr = s.diloco_scaled_lr if o["scale"] else lr
     diloco = DiLoCo(model, inner, s.sync_every, o["outer"], outer_lr=lr,
                     fragments=s.fragments, **kw)
