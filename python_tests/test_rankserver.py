@@ -80,8 +80,8 @@ def test_a_dead_rank_is_named_and_the_server_keeps_serving():
 
 
 def test_a_hung_rank_is_named_after_the_timeout():
-    with pytest.raises(RuntimeError, match="rank 1: timed out after 10 s"):
-        run_workers(2, _one_hangs, timeout=10)
+    with pytest.raises(RuntimeError, match="rank 1: timed out after 4 s"):
+        run_workers(2, _one_hangs, timeout=4)
 
 
 def test_a_dead_server_is_replaced():
