@@ -69,7 +69,7 @@ import torch.distributed as dist
 from .decentralized.wrapper import gossip_bytes_per_step
 from .exchange import sharded
 from .exchange.checks import check_hyperparameters, check_tensors
-from .exchange.collectives import collective
+from .exchange.collectives import DistributedStepError, collective
 from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats, all_gather
 from .kernels.layout import HEADER_WORDS, WORD_BYTES, block_offsets
 from .local_steps import fragments as frag
@@ -173,6 +173,21 @@ def _copy_into(targets, saved, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- DistributedLion
+
+
+def should_commit(manager, step, label: str = "D-Lion step") -> bool:
+    """torchft's commit decision, the same on every rank of the replica. It waits for each rank
+    of the replica group; when one of them has died it fails after the manager's timeout, and
+    this replica cannot go on: ``DistributedStepError`` then, with nothing applied (the other
+    replicas go on without this one)."""
+    try:
+        return manager.should_commit()
+    except Exception as e:  # torchft's client: a timeout, or its ManagerServer gone
+        raise DistributedStepError(
+            step, "should_commit", f"{type(e).__name__}: {e}", label=label,
+            advice="If that peer is a rank of this replica group, the replica cannot go on: "
+                   "restart all its ranks; they heal from a live replica, and the other replicas "
+                   "keep training meanwhile.") from e
 
 
 def replica_sharding(params, device_mesh, manager) -> sharded.Sharding:
@@ -299,7 +314,7 @@ class ElasticLion:
             except Exception as e:  # a rank of this replica died: this replica's step fails
                 manager.report_error(e)
                 failed = True
-        committed = manager.should_commit()
+        committed = should_commit(manager, step)
         stats = None
         if committed and not failed:
             # the apply (raises NonFiniteGradientError alike everywhere)
@@ -420,7 +435,7 @@ class ElasticDiLoCo:
             except Exception as e:  # a peer died: the sync is dropped everywhere, not raised
                 manager.report_error(e)
                 failed = True
-        committed = manager.should_commit() and not failed
+        committed = should_commit(manager, t, label="DiLoCo sync at inner step") and not failed
         skipped, sent = True, 0
         if ex is not None:
             sent = ex.sent

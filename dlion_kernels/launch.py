@@ -1,8 +1,13 @@
-"""Local gloo ranks: ``spawn(n, fn, *args)`` runs ``fn(rank, n, *args)`` on n spawned processes
-of this machine joined by a gloo process group (a file store: no port to pick), and returns their
+"""Local gloo ranks: ``spawn(n, fn, *args)`` runs ``fn(rank, n, *args)`` on n new processes of
+this machine joined by a gloo process group (a file store: no port to pick), and returns their
 results. The benchmarks (``bench/common.run_ranks``) and the demo use it; the tests' harness
-(``python_tests/workers.py``) keeps its behaviour but forks the ranks from a process that imported
-torch once, since the suite starts hundreds of short runs.
+(``python_tests/workers.py``) keeps its behaviour with a server of its own.
+
+The ranks come from multiprocessing's fork server, which imports torch once for the whole
+process: a rank then starts in a fraction of a second instead of paying torch's import (seconds
+of CPU each). Each rank still starts clean (the server runs no torch code), with the caller's
+environment, stdout and stderr of the moment (and, as spawned ones, its working directory and
+``sys.path``). Where there is no fork server (Windows), the ranks are spawned.
 """
 
 from __future__ import annotations
@@ -66,7 +71,42 @@ def results(out_dir: str, n: int, fn, killed, why, exit_code) -> list:
             for r in range(n)]
 
 
-def _spawned(fn, rank, n, store, out_dir, threads, args):
+# What the fork server imports before it forks any rank. torch._dynamo: torch.optim's zero_grad
+# and state_dict import it at their first call (about 2 s of CPU).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+class _Stdio:
+    """The caller's stdout and stderr, handed to a rank as open files: a rank forked by the fork
+    server would otherwise write wherever the server's were when it started (under pytest, the
+    capture of another test)."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd  # only while a process is being started
+
+        return _attach_stdio, (DupFd(1), DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's server runs
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _spawned(fn, rank, n, store, out_dir, threads, args, environ=None, stdio=None):
+    if environ is not None:  # the caller's environment when it started the ranks
+        os.environ.clear()
+        os.environ.update(environ)
     code = run_rank(fn, rank, n, store, out_dir, threads, args)
     # Skip interpreter teardown: it can abort (SIGABRT) while gloo's threads are destroyed (seen
     # on CI after every result was written), which would read as a failed rank.
@@ -76,18 +116,20 @@ def _spawned(fn, rank, n, store, out_dir, threads, args):
 
 
 def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> list:
-    """``fn(rank, n, *args)`` on n spawned processes of this machine joined by a gloo process
+    """``fn(rank, n, *args)`` on n new processes of this machine joined by a gloo process
     group (``torch.set_num_threads(threads)`` each); returns the n results, rank order.
 
     ``fn`` must be a module-level function and its results picklable. When a rank raises, the
     others (waiting in a collective forever) are killed at once; after ``timeout`` seconds
     (None: no limit) every rank still running is killed. Either way RuntimeError names the
     ranks and holds the failed ones' tracebacks."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         # a file store: no port to pick, so parallel runs on one machine cannot collide
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_spawned, args=(fn, r, n, store, tmp, threads, args))
+        forked = ctx.get_start_method() == "forkserver"
+        extra = (dict(os.environ), _Stdio()) if forked else ()  # spawned ranks inherit both
+        procs = [ctx.Process(target=_spawned, args=(fn, r, n, store, tmp, threads, args, *extra))
                  for r in range(n)]
         end = None if timeout is None else time.monotonic() + timeout
         why = None  # why the ranks still running were killed

@@ -10,16 +10,21 @@ manager=manager, heal_momentum="peer")`` votes each local shard with the rank at
 position in the other replica, over the manager's process group; nothing runs over all four
 processes.
 
-Replica 1's two ranks kill themselves (SIGKILL) in the middle of the step after their first
-commit with both replicas at manager step 3 or later (inside the all_gather of the tally, after
-the all_to_all of the votes, each rank in its own shard's vote); the test then waits for replica
-0 to commit a step alone (min_replica_size=1) and starts replica 1 again, with the same replica id
-and a fresh store. Every rank writes one line per step: the manager step after it, whether it
-committed, the participants, the bytes, its local elements, a digest of its local shards, and a
-digest of its momentum and its step count as the quorum left them (before the step). Checked:
+Replica 1 loses one of its ranks: its rank at shard position 1 kills itself (SIGKILL) in the
+middle of the step after its first commit with both replicas at manager step 3 or later (inside
+the all_gather of the tally, after the all_to_all of the votes). Its other rank finishes its own
+vote, fails in the replica's header gather, and cannot get a commit decision (torchft's
+should_commit waits for every rank of the replica): it raises ``DistributedStepError`` naming
+should_commit, within the manager's timeout, with nothing applied, and its process ends. The test
+then waits for replica 0 to commit a step alone (min_replica_size=1) and starts both ranks of
+replica 1 again, with the same replica id and a fresh store. Every rank writes one line per
+step: the manager step after it, whether it committed, the participants, the bytes, its local
+elements, a digest of its local shards, and a digest of its momentum and its step count as the
+quorum left them (before the step). Checked:
 
 - replica 0 never raises (exit code 0); its step of the kill does not commit on either rank and
   changes nothing; it then commits steps alone (n = 1) and, after the heal, with both;
+- replica 1's surviving rank raises the error above, and only it;
 - after every committed manager step the two replicas' ranks at the same shard position hold
   bit-identical shards; a step that did not commit changed nothing on that rank;
 - replica 1's restarted ranks heal per shard position: their first step is at replica 0's step,
@@ -39,7 +44,8 @@ the same processes, before training.
 What is not tested here, and why: 3 replicas x 2 shards (8 processes with the restarts, too many
 for the 2 shared cores this suite runs on; nothing in the code depends on n = 2); GPU process
 groups (no GPU where the tests run); DiLoCo on an FSDP2 replica (``DiLoCo(manager=)`` runs one
-process per replica).
+process per replica); the death of a replica's rank 0, which also runs the replica's
+ManagerServer (one more kill and restart in this test: about 20 s more on the shared cores).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ from dlion_kernels.demo.elastic import read_records  # noqa: E402
 
 REPLICAS, SHARDS = 2, 2
 VICTIM, KILL_AT, TARGET, TOGETHER = 1, 3, 9, 3
+KILLED = 1  # the shard position of replica 1 that dies; the other one is left alone
+TIMEOUT = 20  # seconds: the managers' timeout (their process groups' and should_commit's)
 POISONED = 1  # the shard position of replica 0 given a NaN gradient in the second step after
 # the heal
 
@@ -130,11 +138,11 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
     dist.init_process_group("gloo", store=PrefixStore("replica", store), rank=position,
                             world_size=SHARDS, timeout=timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (SHARDS,), mesh_dim_names=("shard",))
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=None,
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT)), load_state_dict=None,
                       state_dict=None, min_replica_size=1, use_async_quorum=False,
                       replica_id=f"fsdp_{replica}", store_addr="localhost", store_port=store_port,
                       rank=position, world_size=SHARDS, lighthouse_addr=lighthouse,
-                      timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=90),
+                      timeout=timedelta(seconds=TIMEOUT), quorum_timeout=timedelta(seconds=90),
                       connect_timeout=timedelta(seconds=20))
     torch.manual_seed(0)  # the same initial weights everywhere (a restarted one heals anyway)
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
@@ -165,7 +173,12 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
             seen["poisoned"] = True
             with torch.no_grad():
                 params[0].grad.to_local().view(-1)[0] = float("nan")
-        opt.step()
+        try:
+            opt.step()
+        except Exception as e:  # recorded for the test, which expects it on one rank only
+            with open(out + ".error", "w") as f:
+                json.dump(dict(t=time.time(), type=type(e).__name__, message=str(e)), f)
+            os._exit(3)
         s = opt.last_stats
         with torch.no_grad():
             local = [p.to_local() for p in params]  # this rank's shards
@@ -195,8 +208,9 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
 
 
 def _run(tmp_path) -> tuple[dict, dict, float]:
-    """Both replicas, replica 1 killed and restarted. Returns each rank's records, how many
-    lines each of replica 1's ranks wrote before it died, and the time of its death."""
+    """Both replicas, one rank of replica 1 killed, then replica 1 restarted. Returns each rank's
+    records, how many lines each of replica 1's ranks wrote before it ended, the time of the kill,
+    and what replica 1's surviving rank raised."""
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -219,7 +233,8 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
     def process(replica, position, start, restart):
         return ctx.Process(target=_rank, args=(
             replica, position, house.address(), stores[(replica, start)].port,
-            replica == VICTIM and not restart, not restart, path(replica, position),
+            replica == VICTIM and position == KILLED and not restart, not restart,
+            path(replica, position),
             go if restart else None))
 
     firsts = {(r, q): process(r, q, 0, False) for r in range(REPLICAS) for q in range(SHARDS)}
@@ -228,17 +243,22 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
     try:
         for p in procs:
             p.start()
-        for q in range(SHARDS):
-            firsts[(VICTIM, q)].join(timeout=240)
-            assert firsts[(VICTIM, q)].exitcode == -signal.SIGKILL, "replica 1 was to die"
+        firsts[(VICTIM, KILLED)].join(timeout=240)
+        assert firsts[(VICTIM, KILLED)].exitcode == -signal.SIGKILL, "replica 1's rank was to die"
         died = time.time()
+        left = firsts[(VICTIM, 1 - KILLED)]  # replica 1's other rank: raises, then ends
+        left.join(timeout=TIMEOUT + 60)
+        assert left.exitcode == 3, f"replica 1's surviving rank: exit code {left.exitcode}"
+        with open(path(VICTIM, 1 - KILLED) + ".error") as f:
+            error = json.load(f)
         before = {q: len(read_records(path(VICTIM, q))) for q in range(SHARDS)}
 
         def went_on():  # replica 0 committed a step alone after the death
             return all(any(r["committed"] and r["n"] == 1 and r["t"] > died
                            for r in read_records(path(0, q))) for q in range(SHARDS))
 
-        _wait_for("replica 0 stepping alone", went_on, procs, limit=240)
+        _wait_for("replica 0 stepping alone", went_on, [p for p in procs if p is not left],
+                  limit=240)
         go.set()
         current = [firsts[(0, q)] for q in range(SHARDS)] + list(restarts.values())
         codes = _exit_codes(current, 240)
@@ -247,11 +267,19 @@ def _run(tmp_path) -> tuple[dict, dict, float]:
         house.shutdown()
     assert codes == [0] * len(codes), f"replica 0 and the restarted replica 1 must end: {codes}"
     records = {(r, q): read_records(path(r, q)) for r in range(REPLICAS) for q in range(SHARDS)}
-    return records, before, died
+    raised = sorted(os.path.basename(p) for p in os.listdir(tmp) if p.endswith(".error"))
+    assert raised == [os.path.basename(path(VICTIM, 1 - KILLED)) + ".error"], raised
+    return records, before, died, error
 
 
 def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp_path):
-    records, before, died = _run(tmp_path)
+    records, before, died, error = _run(tmp_path)
+    # replica 1's surviving rank: one clear error, within the manager's timeout, nothing applied
+    assert error["type"] == "DistributedStepError", error
+    assert "collective should_commit failed" in error["message"], error
+    assert "nothing of this step was applied" in error["message"], error
+    assert "restart all its ranks" in error["message"], error
+    assert error["t"] - died < TIMEOUT + 30, (error["t"] - died, error)
     # bit-identical per shard position after every committed step; nothing changes otherwise
     by_step: dict = {}
     for (r, q), rs in records.items():

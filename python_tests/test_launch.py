@@ -50,3 +50,22 @@ def test_a_failed_rank_is_named_and_the_others_killed():
 def test_a_hung_rank_is_named_after_the_timeout():
     with pytest.raises(RuntimeError, match="rank 1: timed out after 8 s"):
         spawn(2, _one_hangs, timeout=8)
+
+
+def _environment_and_output(rank, n, name):
+    import os
+
+    print(f"rank {rank} says hello", flush=True)
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_callers_environment_and_output_of_the_moment(monkeypatch, capfd):
+    """The ranks come from a fork server started at the first spawn: a later spawn's ranks still
+    get the environment and the stdout the caller has when it starts them."""
+    spawn(1, _sum_of_ranks, "first", timeout=300)  # the server runs from here on
+    monkeypatch.setenv("DLION_LAUNCH_PROBE", "set after the first spawn")
+    capfd.readouterr()
+    got = spawn(2, _environment_and_output, "DLION_LAUNCH_PROBE", timeout=300)
+    assert got == ["set after the first spawn"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out

@@ -48,24 +48,27 @@ def reduce_scatter_into_tensor():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+RESTART_THE_JOB = ("The process group is no longer usable: destroy it, restart the job and resume "
+                   "from the last checkpoint (dlion_kernels.load_state).")
+
+
 class DistributedStepError(RuntimeError):
     """A collective of a D-Lion step failed or timed out on this rank (a peer died or stalled).
 
     Attributes: ``step`` (the step counter passed to the exchange; for decentralized training the
     iteration), ``collective`` (its name) and ``rank`` (this process's rank in the default group,
     or -1 without one). The backend's own exception is chained as ``__cause__``. ``label`` names
-    what ``step`` counts in the message; ``applied`` says what this rank had already applied.
+    what ``step`` counts in the message; ``applied`` says what this rank had already applied;
+    ``advice`` what to do next.
     """
 
     def __init__(self, step, collective: str, detail: str, *, label: str = "D-Lion step",
-                 applied: str = NOTHING_APPLIED):
+                 applied: str = NOTHING_APPLIED, advice: str = RESTART_THE_JOB):
         self.step, self.collective = step, collective
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
         super().__init__(
             f"{label} {step}: collective {collective} failed on rank {self.rank}: {detail}. "
-            f"A peer rank has probably died or stalled; {applied}. The process group is no "
-            "longer usable: destroy it, restart the job and resume from the last checkpoint "
-            "(dlion_kernels.load_state)."
+            f"A peer rank has probably died or stalled; {applied}. {advice}"
         )
 
 
