@@ -175,16 +175,16 @@ def _copy_into(targets, saved, what: str) -> None:
 # ----------------------------------------------------------------------------- DistributedLion
 
 
-def should_commit(manager, step, label: str = "D-Lion step") -> bool:
+def should_commit(manager, step, **error) -> bool:
     """torchft's commit decision, the same on every rank of the replica. It waits for each rank
     of the replica group; when one of them has died it fails after the manager's timeout, and
     this replica cannot go on: ``DistributedStepError`` then, with nothing applied (the other
-    replicas go on without this one)."""
+    replicas go on without this one). ``error``: the error's ``label`` and ``applied``."""
     try:
         return manager.should_commit()
     except Exception as e:  # torchft's client: a timeout, or its ManagerServer gone
         raise DistributedStepError(
-            step, "should_commit", f"{type(e).__name__}: {e}", label=label,
+            step, "should_commit", f"{type(e).__name__}: {e}", **error,
             advice="If that peer is a rank of this replica group, the replica cannot go on: "
                    "restart all its ranks; they heal from a live replica, and the other replicas "
                    "keep training meanwhile.") from e
@@ -396,11 +396,12 @@ def check_diloco(*, group, device_mesh, overlap_steps, outer, outer_options) -> 
 class ElasticDiLoCo:
     """``DiLoCo(..., manager=)``'s syncs (module docstring)."""
 
-    def __init__(self, diloco, manager, sync_stats, heal_momentum: str = "own"):
+    def __init__(self, diloco, manager, sync_stats, heal_momentum: str = "own", error=None):
         check_manager(manager)
         check_heal_momentum(heal_momentum)
         self.d, self.manager, self.heal_momentum = diloco, manager, heal_momentum
         self.sync_stats = sync_stats  # DiLoCo's SyncStats class
+        self.error = error or {}  # DiLoCo's words for a failed sync (label, applied)
         self.key = _register(manager, "dlion_kernels.DiLoCo", self._load, self._save)
 
     def step(self):
@@ -435,7 +436,7 @@ class ElasticDiLoCo:
             except Exception as e:  # a peer died: the sync is dropped everywhere, not raised
                 manager.report_error(e)
                 failed = True
-        committed = should_commit(manager, t, label="DiLoCo sync at inner step") and not failed
+        committed = should_commit(manager, t, **self.error) and not failed
         skipped, sent = True, 0
         if ex is not None:
             sent = ex.sent

@@ -301,7 +301,8 @@ class DiLoCo:
         self._elastic = None  # manager=: torchft's quorum at every sync (elastic.py)
         if manager is not None:
             from .. import elastic
-            self._elastic = elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum)
+            self._elastic = elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum,
+                                                  error=dict(label=_LABEL, applied=_APPLIED))
 
     # ------------------------------------------------------------------------- construction
 
