@@ -71,9 +71,10 @@ def results(out_dir: str, n: int, fn, killed, why, exit_code) -> list:
             for r in range(n)]
 
 
-# What the fork server imports before it forks any rank. torch._dynamo: torch.optim's zero_grad
-# and state_dict import it at their first call (about 2 s of CPU).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# What a server that forks ranks imports first (the tests' rank server and the elastic demo add
+# their own). torch._dynamo: torch.optim's zero_grad, state_dict and add_param_group import it
+# at their first call (about 2 s of CPU, in nearly every rank).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 
 
 class _Stdio:
@@ -98,12 +99,13 @@ def _attach_stdio(out, err) -> None:
 def _context():
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's server runs
+        ctx.set_forkserver_preload(list(PRELOAD))  # no effect once this process's server runs
         return ctx
     return mp.get_context("spawn")
 
 
 def _spawned(fn, rank, n, store, out_dir, threads, args, environ=None, stdio=None):
+    # stdio: None here; unpickling the caller's _Stdio already attached its stdout and stderr
     if environ is not None:  # the caller's environment when it started the ranks
         os.environ.clear()
         os.environ.update(environ)

@@ -36,13 +36,14 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-# Imported once by the server, before any fork. Nothing here may start a thread that the ranks
-# would need after the fork (numpy's BLAS pool handles fork itself). torch._dynamo: torch.optim's
-# zero_grad, state_dict and add_param_group import it at their first call (about 2 s of CPU, in
-# nearly every rank).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo", "numpy", "pytest",
-           "hypothesis", "triton", "dlion_kernels")
+from dlion_kernels.launch import PRELOAD as LAUNCH_PRELOAD
+
+# Imported once by the server, before any fork: the launcher's list (torch, torch._dynamo), then
+# what the tests' ranks use. Nothing here may start a thread that the ranks would need after the
+# fork (numpy's BLAS pool handles fork itself).
+PRELOAD = (*LAUNCH_PRELOAD, "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "torch.nn.parallel", "numpy", "pytest", "hypothesis",
+           "triton", "dlion_kernels")
 
 # Environment variables that change from test to test without meaning anything to the ranks.
 _VOLATILE = ("PYTEST_CURRENT_TEST",)

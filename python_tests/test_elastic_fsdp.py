@@ -207,7 +207,7 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
     os._exit(0)  # torchft's threads: leave at once
 
 
-def _run(tmp_path) -> tuple[dict, dict, float]:
+def _run(tmp_path) -> tuple[dict, dict, float, dict]:
     """Both replicas, one rank of replica 1 killed, then replica 1 restarted. Returns each rank's
     records, how many lines each of replica 1's ranks wrote before it ended, the time of the kill,
     and what replica 1's surviving rank raised."""

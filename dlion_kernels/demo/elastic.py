@@ -46,6 +46,7 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from dlion_kernels import launch
 from dlion_kernels.kernels.layout import (
     HEADER_WORDS,
     aggregate_planes,
@@ -60,7 +61,7 @@ from .common import allreduce_fp32_bytes
 MIN_REPLICAS = 2
 # one fork server that imported these once: R processes importing torch at once cost a minute
 # of CPU on a small machine, and a restart that imports nothing starts at once
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torchft", "dlion_kernels.elastic",
+PRELOAD = [*launch.PRELOAD, "torchft", "dlion_kernels.elastic",
            "dlion_kernels.optim.dlion", "dlion_kernels.kernels.native",
            "dlion_kernels.kernels.reference", "dlion_kernels.demo.chars"]
 
