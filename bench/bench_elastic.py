@@ -56,7 +56,9 @@ participants; a plain rank's every step commits with 3) and the links' byte coun
 The variants run interleaved (allreduce, dlion, plain, allreduce, dlion, plain, ...) on the same
 network, so all see the same load from whatever else runs on the machine; the load average is
 recorded at every run. Writes bench/results/elastic-<timestamp>/ (or --out): elastic.json/.csv
-(one row per run), summary.md (the table, then per rate dk-dlion's ms per step with 3 replicas
+(one row per run), runs/<variant>-<rate>-<repeat>/ (each run's raw records, one JSON line per step
+attempt and process, and the tails of its logs: kept also when a run fails or is interrupted),
+summary.md (the table, then per rate dk-dlion's ms per step with 3 replicas
 next to dk-dlion-plain's and their ratio), and elastic-<rate>.png (replica 0's committed steps
 against time) with matplotlib.
 """
@@ -236,7 +238,7 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
         before = manager.current_step()
         step = before + 1
         loss = _forward(net, cfg, step, index)
-        if (index == VICTIM and not restart and step >= cfg["kill_at"]
+        if (index == VICTIM and not restart and cfg["kill_at"] and step >= cfg["kill_at"]
                 and manager.num_participants() == REPLICAS):
             lines.close()
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others' collectives fail
@@ -354,7 +356,8 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     run_dir = os.path.join(tmp, label)
     os.makedirs(run_dir)
     cfg = dict(variant=variant, addrs=net.addrs, namespaces=net.namespaces, dim=args.dim,
-               hidden=args.hidden, batch=args.batch, steps=args.steps, kill_at=args.kill_at,
+               hidden=args.hidden, batch=args.batch, steps=args.steps,
+               kill_at=None if args.no_failure else args.kill_at,
                lion_lr=args.lion_lr, adamw_lr=args.adamw_lr, timeout=args.collective_timeout,
                join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=args.quorum_tick_ms,
                out=os.path.join(run_dir, "replica{}.jsonl"),
@@ -380,30 +383,24 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     def fail(why):
         for log in logs:
             log.flush()
-        if args.keep_failed:  # the logs of a failed run, next to the results
-            keep = os.path.join(args.keep_failed, f"failed-{label}")
-            os.makedirs(keep, exist_ok=True)
-            for log in logs:
-                with open(log.name) as f, open(os.path.join(keep, os.path.basename(log.name)),
-                                               "w") as g:
-                    g.write(f.read()[-20000:])
         tails = "".join(open(log.name).read()[-2000:] for log in logs)
         raise RuntimeError(f"{variant}: {why}\n{tails}")
 
-    def wait(what, condition, limit):
-        end = time.monotonic() + limit
+    deadline = time.monotonic() + args.timeout  # one limit for the whole run
+
+    def wait(what, condition):
         while not condition():
             bad = {k: p.returncode for k, p in procs.items()
                    if p.poll() not in (None, 0) and not (k == "replica2" and p.returncode
                                                          == -signal.SIGKILL)}
-            if bad or time.monotonic() > end:
+            if bad or time.monotonic() > deadline:
                 fail(f"waiting for {what}: exit codes {bad}")
             time.sleep(0.05)
 
     path = cfg["out"].format
     before = [net.counters(k) for k in range(REPLICAS)]
     load_start = _load()
-    go_t = None  # when the restart was told to go; None: no failure (PLAIN)
+    go_t = None  # when the restart was told to go; None: no failure (PLAIN, --no-failure)
     try:
         if variant == PLAIN:
             names = [f"rank{i}" for i in range(REPLICAS)]
@@ -411,22 +408,25 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
                 start(name, i, ["--plain-rank", cfg_path, str(i)])
         else:
             start("lighthouse", 0, ["--lighthouse", cfg_path])
-            wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]), 120)
+            wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
             for i in range(REPLICAS):
                 start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
+        if variant != PLAIN and args.no_failure:
+            names = [f"replica{i}" for i in range(REPLICAS)]
+        elif variant != PLAIN:
             start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
-            wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None, args.timeout)
+            wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None)
             if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
                 fail(f"replica {VICTIM} was to be killed; exit code "
                      f"{procs[f'replica{VICTIM}'].returncode}")
             survivors = [i for i in range(REPLICAS) if i != VICTIM]
             wait("the survivors' steps", lambda: all(
                 any(r.get("committed") and r["step"] >= args.restart_at
-                    for r in read_records(path(i))) for i in survivors), args.timeout)
+                    for r in read_records(path(i))) for i in survivors))
             go_t = time.time()
             open(cfg["go_file"], "w").close()
             names = ["replica0", "replica1", "restart"]
-        wait("the end", lambda: all(procs[k].poll() is not None for k in names), args.timeout)
+        wait("the end", lambda: all(procs[k].poll() is not None for k in names))
         codes = {k: procs[k].returncode for k in names}
         if any(codes.values()):
             fail(f"exit codes {codes}")
@@ -441,6 +441,7 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
                     p.wait()
         for log in logs:
             log.close()
+        _keep(run_dir, os.path.join(args.keep_runs, "runs", label))
     after = [net.counters(k) for k in range(REPLICAS)]
     records = [read_records(path(i)) for i in range(REPLICAS)]
     row = measure(variant, records, go_t, args)
@@ -449,6 +450,16 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
         wire = after[0]["veth_tx"] - before[0]["veth_tx"]
         row["link_bytes_per_committed_step"] = round(wire / row["committed_steps"])
     return row
+
+
+def _keep(run_dir: str, keep: str) -> None:
+    """Every run's raw records and the tails of its logs, next to the results (also when the
+    run failed or was interrupted)."""
+    os.makedirs(keep, exist_ok=True)
+    for name in sorted(os.listdir(run_dir)):
+        if name.endswith((".jsonl", ".log")):
+            with open(os.path.join(run_dir, name)) as f, open(os.path.join(keep, name), "w") as g:
+                g.write(f.read() if name.endswith(".jsonl") else f.read()[-20000:])
 
 
 def measure(variant, records, go_t, args) -> dict:
@@ -552,7 +563,7 @@ def _rate(rate) -> str:
 def report(summary) -> str:
     """summary.md: the table (a run without a failure says so where the failure's figures go),
     then, per rate, the elastic D-Lion's time per step between failures against the plain one's."""
-    shown = [dict(s, steps_lost=NO_FAILURE) if s["variant"] == PLAIN and "failed" not in s
+    shown = [dict(s, steps_lost=NO_FAILURE) if s.get("steps_lost") is None and "failed" not in s
              else s for s in summary]
     lines = [common.markdown_table(shown, COLUMNS)]
     for rate in dict.fromkeys(s["rate_gbps"] for s in summary):
@@ -592,7 +603,7 @@ def _plot(out, rate, rows) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for r in rows:
         pts = [(t, s) for t, s, _, c in r["curve"] if c]
-        label = r["variant"] + (f" ({NO_FAILURE})" if r["variant"] == PLAIN else "")
+        label = r["variant"] + (f" ({NO_FAILURE})" if r.get("steps_lost") is None else "")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=3,
                 color=colors[r["variant"]], label=label if r["repeat"] == 0 else None)
     ax.set_xlabel("wall time (s) from replica 0's first step")
@@ -616,6 +627,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-at", type=int, default=10)
     ap.add_argument("--restart-at", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-failure", action="store_true",
+                    help="the elastic variants kill no replica: their speed between failures, "
+                    "step for step against dk-dlion-plain")
     ap.add_argument("--lion-lr", type=float, default=1e-4)
     ap.add_argument("--adamw-lr", type=float, default=1e-3)
     ap.add_argument("--collective-timeout", type=float, default=60.0)
@@ -626,9 +640,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quorum-tick-ms", type=int, default=100,
                     help="how often the Lighthouse looks for a quorum while replicas are missing "
                     "from it (torchft's default 100)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="per run (s)")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="the most one run may take, start to end (s)")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--keep-failed", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--keep-runs", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lighthouse", help=argparse.SUPPRESS)
     ap.add_argument("--replica", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
@@ -651,7 +666,7 @@ def main(argv=None) -> int:
     import network
 
     out = common.results_dir("elastic", args.out)
-    args.keep_failed = out
+    args.keep_runs = out
     meta = common.metadata({"load_start": _load()})
     rows = []
     if any(args.rates):

@@ -16,8 +16,19 @@ A thin layer around a step, not a new exchange. For each step (each DiLoCo sync)
              never raised: should_commit then says False, nothing is applied, and the next
              quorum goes on with the replicas left.
 
-``DistributedLion`` opens the quorum in ``zero_grad()`` (so a healing replica's forward and
-backward already run on the healed parameters); ``step()`` opens it if ``zero_grad()`` did not.
+``DistributedLion`` opens the quorum in ``zero_grad()``; ``step()`` opens it if ``zero_grad()``
+did not. The quorum ahead: a replica that is current (its last step committed, and that step's
+quorum did not heal it) asks for the next quorum in the background, so the Lighthouse's round
+trip and the wait for the slowest replica to ask overlap forward and backward; ``step()`` waits
+for it before the vote. Any other replica (a fresh process, one whose step did not commit) asks
+in ``zero_grad()`` and waits, so it heals before it computes anything. Should a quorum asked
+ahead find the replica behind after all (it missed the quorums the others formed while it was
+late, past the Lighthouse's join timeout), the peer's state it received is applied in
+``step()``, and its vote, computed before the heal, counts nowhere: it takes part in the step's
+collectives with the step given up (``ABORTED`` in its headers), every replica commits that step
+with nothing applied, and the next step is a normal one. After such a step the replica asks at
+``zero_grad()`` for a while (1 step, then 2, 4, ... up to ``MAX_BACKOFF``), so one that keeps
+missing quorums does not make every other step of everyone a step given up.
 ``DiLoCo`` opens one quorum per sync (per fragment), at the sync: a replica that restarts takes
 its local steps alone until the next sync of the others, heals there and syncs with them.
 
@@ -61,6 +72,7 @@ imported here, when a manager is passed.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +82,14 @@ from .decentralized.wrapper import gossip_bytes_per_step
 from .exchange import sharded
 from .exchange.checks import check_hyperparameters, check_tensors
 from .exchange.collectives import DistributedStepError, collective
-from .exchange.pipeline import Exchange, NonFiniteGradientError, Segment, StepStats, all_gather
+from .exchange.pipeline import (
+    Exchange,
+    NonFiniteGradientError,
+    Segment,
+    StepAbortedError,
+    StepStats,
+    all_gather,
+)
 from .kernels.layout import HEADER_WORDS, WORD_BYTES, block_offsets
 from .local_steps import fragments as frag
 
@@ -78,6 +97,31 @@ HEAL_MOMENTUM = ("own", "peer", "zero")
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 # the gather of the vote's headers inside an FSDP2 replica (errors and fault tests)
 REPLICA_HEADERS = "all_gather(replica headers)"
+# the most steps a replica asks for its quorum at step() after a heal that came late
+MAX_BACKOFF = 64
+
+
+class _Background:
+    """``fn()`` on a daemon thread (a quorum that never forms must not keep the process from
+    exiting); ``result()`` waits and returns or raises what it did."""
+
+    def __init__(self, fn):
+        self.out = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                       name="dlion-quorum")
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.out = fn()
+        except BaseException as e:  # raised again in the caller's thread
+            self.error = e
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.out
 
 
 @dataclass(frozen=True)
@@ -228,6 +272,15 @@ class ElasticLion:
             self.sharding = replica_sharding(self._all(opt), opt.device_mesh, manager)
         self.opt, self.manager, self.heal_momentum = opt, manager, heal_momentum
         self.quorum_open = False
+        self.ahead = None  # a quorum asked ahead, running in the background (_Background)
+        self.deferring = False  # while it runs: a peer's state for healing waits in self.late
+        self.healed = False  # this step's quorum healed this replica
+        self.late = None  # a peer's state a quorum asked ahead received, applied in step()
+        # asking ahead is safe only when this replica is at the others' step: after a step that
+        # committed here without healing. After a heal that came late, ask at step() for a
+        # while, twice as long each time (a replica that keeps missing quorums would otherwise
+        # give up every other step of everyone)
+        self.current, self.sync_left, self.backoff = False, 0, 0
         self.key = _register(manager, "dlion_kernels.DistributedLion", self._load, self._save)
 
     @staticmethod
@@ -253,11 +306,31 @@ class ElasticLion:
         m = state["exp_avg"]
         return sharded.momentum_local(m) if self.sharding is not None else m
 
-    def start_quorum(self) -> None:
-        """This step's quorum (once per step; healing happens here)."""
-        if not self.quorum_open:
+    def start_quorum(self, ahead: bool = False) -> None:
+        """This step's quorum, once per step. ``ahead`` (``zero_grad()``): while forward and
+        backward run, if this replica is current (module docstring, The quorum ahead); else
+        here and now, healing before anything is computed."""
+        if self.quorum_open:
+            return
+        self.quorum_open = True
+        self.healed = False
+        if ahead and self.current and self.sync_left == 0:
+            self.deferring = True  # a heal in it waits for step() (_load)
+            self.ahead = _Background(self.manager.start_quorum)
+        else:
             self.manager.start_quorum()
-            self.quorum_open = True
+
+    def _join_quorum(self):
+        """Wait for a quorum asked ahead (its error, if any, raised here); return a peer's state
+        received in it (this replica was behind after all), or None."""
+        ahead, self.ahead = self.ahead, None
+        try:
+            if ahead is not None:
+                ahead.result()
+        finally:
+            self.deferring = False
+        late, self.late = self.late, None
+        return late
 
     def _agree_in_replica(self, ex, n: int, step: int, device) -> torch.Tensor:
         """The headers every rank of this replica received in its vote, gathered over the
@@ -278,6 +351,9 @@ class ElasticLion:
         opt, manager = self.opt, self.manager
         self.start_quorum()
         self.quorum_open = False
+        late = self._join_quorum()
+        if late is not None:  # behind after all: heal now; this step's gradient predates it
+            self._load(late)
         params = self._params()
         segments, rows = [], []
         for g in opt.param_groups:
@@ -300,8 +376,11 @@ class ElasticLion:
                               backend=opt.backend, step=step, nonfinite=opt.nonfinite,
                               timeout=getattr(opt, "timeout", None))
                 offsets, blocks = block_offsets(t.numel() for t in local)
-                ex.add([ex.row(p, g, m, off, seg) for p, (_, seg), g, m, off
-                        in zip(local, rows, grads, momenta, offsets)], blocks)
+                if late is None:
+                    ex.add([ex.row(p, g, m, off, seg) for p, (_, seg), g, m, off
+                            in zip(local, rows, grads, momenta, offsets)], blocks)
+                else:  # a vote from before the heal must not count: every replica skips
+                    ex.add_aborted(blocks)
                 ex.abandon()  # every collective of the step is done; nothing applied yet
             except Exception as e:  # a peer died: the step is dropped everywhere, not raised
                 manager.report_error(e)
@@ -317,8 +396,11 @@ class ElasticLion:
         committed = should_commit(manager, step)
         stats = None
         if committed and not failed:
-            # the apply (raises NonFiniteGradientError alike everywhere)
-            stats = ex.finish(agree=None if agreed is None else lambda headers, word: agreed)
+            try:  # the apply (raises NonFiniteGradientError alike everywhere)
+                stats = ex.finish(agree=None if agreed is None else lambda headers, word: agreed)
+            except StepAbortedError:  # a replica healed late: nothing applied anywhere
+                pass
+        self._settle(committed and not failed, late is not None)
         for p in params:
             self.opt.state[p]["step"] = manager.current_step()
         numel = sum(t.numel() for t in local)
@@ -333,6 +415,15 @@ class ElasticLion:
             intra_node_bytes_sent=intra,
             shards=self.sharding.shards if self.sharding is not None else 1)
 
+    def _settle(self, committed: bool, late: bool) -> None:
+        """Whether the next quorum may be asked ahead (``start_quorum``)."""
+        if late:
+            self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
+            self.sync_left = self.backoff
+        elif committed and self.sync_left:
+            self.sync_left -= 1
+        self.current = committed and not late and not self.healed
+
     def _save(self) -> dict:
         params = self._params()
         out = {"params": [self._local(p).detach().clone() for p in params],
@@ -342,6 +433,10 @@ class ElasticLion:
         return out
 
     def _load(self, saved: dict) -> None:
+        if self.deferring:  # forward and backward may be reading the parameters
+            self.late = saved
+            return
+        self.healed = True
         params = self._params()
         _copy_into([self._local(p) for p in params], saved["params"], "parameters")
         if self.heal_momentum == "peer":

@@ -48,6 +48,7 @@ torchft = pytest.importorskip("torchft")
 from dlion_kernels.demo.elastic import end_replica, read_records  # noqa: E402
 
 REPLICAS = 3
+LATE_S = 2.5  # a late replica's pause: more than the 1 s its Lighthouse waits for it
 D = 984  # elements of the tiny model: Linear(40, 24) with its bias
 
 
@@ -79,9 +80,13 @@ def _arm_kill(at_step: int, step_of) -> None:
     dies("allreduce")
 
 
-def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
+def _phase(index, phase, lighthouse, kind, kill_at, target, out, late=None) -> None:
     """One replica through one phase: its store and Manager, a tiny model, steps (DiLoCo syncs)
-    until one commits with all 3 replicas at manager step ``target`` or later."""
+    until one commits with all 3 replicas at manager step ``target`` or later. ``late``: (replica,
+    step): that replica pauses ``LATE_S`` once, before a step, when it has committed 3 plain
+    steps in a row (each one step on, nothing skipped) up to that manager step or later: then it
+    is current and asks for its next quorum ahead (the steps it may have spent asking at
+    zero_grad, were the machine slow enough to make it miss a quorum before, are over)."""
     import torch
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
@@ -109,11 +114,16 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
         _arm_kill(kill_at, manager.current_step)
     lines = open(out, "a")
     local = 0
+    late_at = late[1] if late is not None and late[0] == index else None
+    plain, paused = [], False  # the last committed plain steps; whether this step follows a pause
     while True:
         local += 1
         gen = torch.Generator().manual_seed(1000 * index + 7 * local)
         x = torch.randn(8, 40, generator=gen)
         if kind.startswith("lion"):
+            if late_at is not None and len(plain) >= 3 and plain[-1] >= late_at:
+                late_at, paused = None, True
+                time.sleep(LATE_S)  # the others' quorums go on without it (join timeout)
             opt.zero_grad()  # the quorum (a restarted replica heals here)
             model(x).pow(2).mean().backward()
             opt.step()
@@ -128,10 +138,16 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out) -> None:
                 continue
             extra = dict(theta=_digest(diloco.theta_bar), inner=diloco.inner_step)
         record = dict(t=time.time(), step=s.manager_step, committed=s.committed, n=s.participants,
-                      sent=s.bytes_sent, numel=s.numel, digest=_digest(params), **extra)
+                      skipped=s.skipped, sent=s.bytes_sent, numel=s.numel,
+                      digest=_digest(params), paused=paused, **extra)
+        if kind.startswith("lion"):
+            one_on = s.committed and not s.skipped and plain and s.manager_step == plain[-1] + 1
+            plain = plain + [s.manager_step] if one_on or not plain and s.committed else []
+            paused = False
         lines.write(json.dumps(record) + "\n")
         lines.flush()
-        if record["committed"] and record["n"] == REPLICAS and record["step"] >= target:
+        if (record["committed"] and record["n"] == REPLICAS and record["step"] >= target
+                and not record["skipped"]):
             break
         if record["n"] < REPLICAS:
             time.sleep(0.02)  # waiting for the restart: leave it the CPU
@@ -150,11 +166,11 @@ def _replica(index: int, phases, first: int, tmp: str, go=None) -> None:
     torch.set_num_threads(1)
     if go is not None:
         go.wait()
-    for p, (kind, lighthouse, victims, kill_at, target) in enumerate(phases):
+    for p, (kind, lighthouse, victims, kill_at, target, late) in enumerate(phases):
         if p >= first:  # a restart does not die again in the phase it restarts in
             dies = index in victims and (go is None or p > first)
             _phase(index, p, lighthouse, kind, kill_at if dies else None, target,
-                   os.path.join(tmp, f"{kind}-replica{index}.jsonl"))
+                   os.path.join(tmp, f"{kind}-replica{index}.jsonl"), late)
     os._exit(0)  # torchft's threads: leave at once
 
 
@@ -182,11 +198,12 @@ def _kill_left(procs) -> None:
 
 
 def _run(phases, tmp_path) -> dict:
-    """3 replicas through ``phases`` ((kind, victims, kill_at, target) each): in each phase its
-    victims kill themselves in the same step and are restarted (processes imported ahead) once
-    the survivors have gone on without them: committed a step with 2 replicas, or, for one
-    survivor alone (below min_replica_size), failed the step. Returns each phase's records and
-    how many lines each victim wrote before it died."""
+    """3 replicas through ``phases`` ((kind, victims, kill_at, target[, late]) each): in each
+    phase its victims kill themselves in the same step and are restarted (processes imported
+    ahead) once the survivors have gone on without them: committed a step with 2 replicas, or,
+    for one survivor alone (below min_replica_size), failed the step. ``late`` (``_phase``): a
+    replica that pauses instead, under a Lighthouse that waits 1 s for it. Returns each phase's
+    records and how many lines each victim wrote before it died."""
     from torchft.coordination import LighthouseServer
 
     tmp = str(tmp_path)
@@ -194,10 +211,12 @@ def _run(phases, tmp_path) -> dict:
     # replica slowed by a loaded machine misses a quorum and starts the next one with another,
     # and quorums of 2 alternate from then on; 4 s keeps the 3 together (the survivors' first
     # quorum after a kill waits at most that long for the dead replica)
-    houses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=4000)
-              for _ in phases]
-    plan = [(kind, h.address(), victims, kill_at, target)
-            for (kind, victims, kill_at, target), h in zip(phases, houses)]
+    phases = [tuple(ph) + (None,) * (5 - len(ph)) for ph in phases]
+    houses = [LighthouseServer(bind="[::]:0", min_replicas=2,
+                               join_timeout_ms=4000 if late is None else 1000)
+              for _, _, _, _, late in phases]
+    plan = [(kind, h.address(), victims, kill_at, target, late)
+            for (kind, victims, kill_at, target, late), h in zip(phases, houses)]
     # a fork server that imported torch and the library once: many processes importing torch at
     # once cost a minute of CPU on a small machine (the server runs nothing, so forking it is
     # safe; torchft starts its threads only in the replicas)
@@ -210,7 +229,7 @@ def _run(phases, tmp_path) -> dict:
     firsts = [ctx.Process(target=_replica, args=(i, plan, 0, tmp)) for i in range(REPLICAS)]
     gos = [ctx.Event() for _ in phases]
     restarts = {(p, v): ctx.Process(target=_replica, args=(v, plan, p, tmp, gos[p]))
-                for p, (_, victims, _, _) in enumerate(phases) for v in victims}
+                for p, (_, victims, _, _, _) in enumerate(phases) for v in victims}
     procs = firsts + list(restarts.values())
     before = []
     path = os.path.join(tmp, "{}-replica{}.jsonl").format
@@ -218,8 +237,10 @@ def _run(phases, tmp_path) -> dict:
         for p in procs:
             p.start()
         current = list(firsts)  # the process running each replica
-        for p, (kind, victims, _, _) in enumerate(phases):
+        for p, (kind, victims, _, _, _) in enumerate(phases):
             before.append({})
+            if not victims:
+                continue
             for v in victims:
                 current[v].join(timeout=150)
                 assert current[v].exitcode == -signal.SIGKILL, f"{kind}: replica {v} was to die"
@@ -242,7 +263,7 @@ def _run(phases, tmp_path) -> dict:
             h.shutdown()
     assert codes == [0] * REPLICAS, f"survivors and restarted replicas must end cleanly: {codes}"
     return {kind: dict(records=[read_records(path(kind, i)) for i in range(REPLICAS)], before=b)
-            for (kind, _, _, _), b in zip(phases, before)}
+            for (kind, _, _, _, _), b in zip(phases, before)}
 
 
 def _check(run, sent_bound) -> None:
@@ -283,6 +304,35 @@ def _check(run, sent_bound) -> None:
                 assert low <= r["sent"] <= high, (r, low, high)
 
 
+def _check_late(records, late: int) -> None:
+    """A replica that fell behind while alive: it had committed its last step, so it asked for
+    the next quorum ahead (zero_grad), and that quorum found it behind while its forward and
+    backward ran. It heals in step(), and its vote, made before the heal, counts nowhere: every
+    replica commits that step with nothing applied. Then all vote again."""
+    by_step: dict = {}
+    for rs in records:
+        for r in rs:
+            if r["committed"]:
+                by_step.setdefault(r["step"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    rs = records[late]
+    k = next(k for k, r in enumerate(rs) if r["paused"])
+    healed = rs[k]
+    assert healed["step"] > rs[k - 1]["step"] + 1, f"replica {late} did not fall behind: {rs}"
+    assert healed["committed"] and healed["skipped"] and healed["n"] == REPLICAS, healed
+    for i, others in enumerate(records):
+        if i == late:
+            continue
+        assert any(r["committed"] and r["n"] == 2 for r in others), "no step without it"
+        k = next(k for k, r in enumerate(others) if r["step"] == healed["step"])
+        r = others[k]
+        # nothing applied: the parameters of the step before, which the late one healed to
+        assert r["committed"] and r["skipped"] and r["digest"] == others[k - 1]["digest"], r
+        assert r["digest"] == healed["digest"]
+    for rs in records:
+        assert rs[-1]["committed"] and not rs[-1]["skipped"] and rs[-1]["n"] == REPLICAS
+
+
 def _vote_bytes(n, d):
     """The wire format's vote/binary figure 2 (n-1)/n d/8, and it plus the padding: a step header (8
     bytes) and at most one 32-element word per plane of each of the n shards, per peer."""
@@ -305,8 +355,11 @@ def test_a_replica_killed_mid_step_and_mid_sync_survivors_go_on_and_it_heals(tmp
     # DistributedLion again with replicas 1 and 2 dying in the same step: replica 0 alone is
     # below min_replica_size, commits nothing and waits for the quorum until both restarts
     # have healed; each restarted replica goes on into the next phases
+    # (last, DistributedLion with no failure: replica 2 pauses after committing step 3, past
+    # the Lighthouse's wait, and the others go on without it: _check_late)
     runs = _run([("lion", (1,), 3, 8), ("dlion", (2,), 2, 5), ("nesterov", (0,), 2, 5),
-                 ("lion2", (1, 2), 3, 8)], tmp_path)
+                 ("lion2", (1, 2), 3, 8), ("lion3", (), None, 8, (2, 3))], tmp_path)
+    _check_late(runs["lion3"]["records"], late=2)
     _check(runs["lion"], _vote_bytes)
     _check(runs["lion2"], _vote_bytes)
     _check(runs["dlion"], _vote_bytes)

@@ -259,9 +259,10 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                     timeout=agree.bound(timeout))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """With ``manager=``, also opens this step's quorum (a healing replica heals here)."""
+        """With ``manager=``, also opens this step's quorum: in the background while forward and
+        backward run, or here and now for a replica that may heal (``elastic.py``)."""
         if self._elastic is not None:
-            self._elastic.start_quorum()
+            self._elastic.start_quorum(ahead=True)
         super().zero_grad(set_to_none)
 
     def _choose_hierarchy(self) -> None:
