@@ -97,7 +97,7 @@ HEAL_MOMENTUM = ("own", "peer", "zero")
 ALL_REDUCE = "all_reduce(pseudo-gradient)"
 # the gather of the vote's headers inside an FSDP2 replica (errors and fault tests)
 REPLICA_HEADERS = "all_gather(replica headers)"
-# the most steps a replica asks for its quorum at step() after a heal that came late
+# the most steps a replica waits for its quorum in zero_grad() after a heal that came late
 MAX_BACKOFF = 64
 
 
@@ -276,10 +276,10 @@ class ElasticLion:
         self.deferring = False  # while it runs: a peer's state for healing waits in self.late
         self.healed = False  # this step's quorum healed this replica
         self.late = None  # a peer's state a quorum asked ahead received, applied in step()
-        # asking ahead is safe only when this replica is at the others' step: after a step that
-        # committed here without healing. After a heal that came late, ask at step() for a
-        # while, twice as long each time (a replica that keeps missing quorums would otherwise
-        # give up every other step of everyone)
+        # asking ahead pays only when this replica is at the others' step: after a step that
+        # committed here without healing. After a heal that came late, wait for the quorum in
+        # zero_grad() for a while, twice as long each time (a replica that keeps missing
+        # quorums would otherwise give up every other step of everyone)
         self.current, self.sync_left, self.backoff = False, 0, 0
         self.key = _register(manager, "dlion_kernels.DistributedLion", self._load, self._save)
 

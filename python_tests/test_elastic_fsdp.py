@@ -10,12 +10,14 @@ manager=manager, heal_momentum="peer")`` votes each local shard with the rank at
 position in the other replica, over the manager's process group; nothing runs over all four
 processes.
 
-Replica 1 loses one of its ranks: its rank at shard position 1 kills itself (SIGKILL) in the
-middle of the step after its first commit with both replicas at manager step 3 or later (inside
-the all_gather of the tally, after the all_to_all of the votes). Its other rank finishes its own
+Replica 1 loses one of its ranks, in two runs: its rank at shard position 1, then the one at
+position 0 (which also runs the replica's ManagerServer), kills itself (SIGKILL) in the middle of
+the step after its first commit with both replicas at manager step 3 or later (inside the
+all_gather of the tally, after the all_to_all of the votes). Its other rank finishes its own
 vote, fails in the replica's header gather, and cannot get a commit decision (torchft's
-should_commit waits for every rank of the replica): it raises ``DistributedStepError`` naming
-should_commit, within the manager's timeout, with nothing applied, and its process ends. The test
+should_commit waits for every rank of the replica, or finds the replica's ManagerServer gone):
+it raises ``DistributedStepError`` naming should_commit, within the manager's timeout, with
+nothing applied, and its process ends. The test
 then waits for replica 0 to commit a step alone (min_replica_size=1) and starts both ranks of
 replica 1 again, with the same replica id and a fresh store. Every rank writes one line per
 step: the manager step after it, whether it committed, the participants, the bytes, its local
@@ -44,8 +46,7 @@ the same processes, before training.
 What is not tested here, and why: 3 replicas x 2 shards (8 processes with the restarts, too many
 for the 2 shared cores this suite runs on; nothing in the code depends on n = 2); GPU process
 groups (no GPU where the tests run); DiLoCo on an FSDP2 replica (``DiLoCo(manager=)`` runs one
-process per replica); the death of a replica's rank 0, which also runs the replica's
-ManagerServer (one more kill and restart in this test: about 20 s more on the shared cores).
+process per replica).
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ from dlion_kernels.demo.elastic import read_records  # noqa: E402
 
 REPLICAS, SHARDS = 2, 2
 VICTIM, KILL_AT, TARGET, TOGETHER = 1, 3, 9, 3
-KILLED = 1  # the shard position of replica 1 that dies; the other one is left alone
-TIMEOUT = 20  # seconds: the managers' timeout (their process groups' and should_commit's)
+TIMEOUT = 10  # seconds: the managers' timeout (their process groups' and should_commit's)
 POISONED = 1  # the shard position of replica 0 given a NaN gradient in the second step after
 # the heal
 
@@ -207,10 +207,10 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
     os._exit(0)  # torchft's threads: leave at once
 
 
-def _run(tmp_path) -> tuple[dict, dict, float, dict]:
-    """Both replicas, one rank of replica 1 killed, then replica 1 restarted. Returns each rank's
-    records, how many lines each of replica 1's ranks wrote before it ended, the time of the kill,
-    and what replica 1's surviving rank raised."""
+def _run(tmp_path, killed: int) -> tuple[dict, dict, float, dict]:
+    """Both replicas, the rank of replica 1 at shard position ``killed`` killed, then replica 1
+    restarted. Returns each rank's records, how many lines each of replica 1's ranks wrote before
+    it ended, the time of the kill, and what replica 1's surviving rank raised."""
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
@@ -233,7 +233,7 @@ def _run(tmp_path) -> tuple[dict, dict, float, dict]:
     def process(replica, position, start, restart):
         return ctx.Process(target=_rank, args=(
             replica, position, house.address(), stores[(replica, start)].port,
-            replica == VICTIM and position == KILLED and not restart, not restart,
+            replica == VICTIM and position == killed and not restart, not restart,
             path(replica, position),
             go if restart else None))
 
@@ -243,13 +243,13 @@ def _run(tmp_path) -> tuple[dict, dict, float, dict]:
     try:
         for p in procs:
             p.start()
-        firsts[(VICTIM, KILLED)].join(timeout=240)
-        assert firsts[(VICTIM, KILLED)].exitcode == -signal.SIGKILL, "replica 1's rank was to die"
+        firsts[(VICTIM, killed)].join(timeout=240)
+        assert firsts[(VICTIM, killed)].exitcode == -signal.SIGKILL, "replica 1's rank was to die"
         died = time.time()
-        left = firsts[(VICTIM, 1 - KILLED)]  # replica 1's other rank: raises, then ends
+        left = firsts[(VICTIM, 1 - killed)]  # replica 1's other rank: raises, then ends
         left.join(timeout=TIMEOUT + 60)
         assert left.exitcode == 3, f"replica 1's surviving rank: exit code {left.exitcode}"
-        with open(path(VICTIM, 1 - KILLED) + ".error") as f:
+        with open(path(VICTIM, 1 - killed) + ".error") as f:
             error = json.load(f)
         before = {q: len(read_records(path(VICTIM, q))) for q in range(SHARDS)}
 
@@ -268,12 +268,15 @@ def _run(tmp_path) -> tuple[dict, dict, float, dict]:
     assert codes == [0] * len(codes), f"replica 0 and the restarted replica 1 must end: {codes}"
     records = {(r, q): read_records(path(r, q)) for r in range(REPLICAS) for q in range(SHARDS)}
     raised = sorted(os.path.basename(p) for p in os.listdir(tmp) if p.endswith(".error"))
-    assert raised == [os.path.basename(path(VICTIM, 1 - KILLED)) + ".error"], raised
+    assert raised == [os.path.basename(path(VICTIM, 1 - killed)) + ".error"], raised
     return records, before, died, error
 
 
-def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp_path):
-    records, before, died, error = _run(tmp_path)
+# position 0 also runs the replica's ManagerServer: with it gone, the other rank's should_commit
+# fails at once instead of waiting for the manager's timeout
+@pytest.mark.parametrize("killed", [1, 0], ids=["position1", "position0-with-manager-server"])
+def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp_path, killed):
+    records, before, died, error = _run(tmp_path, killed)
     # replica 1's surviving rank: one clear error, within the manager's timeout, nothing applied
     assert error["type"] == "DistributedStepError", error
     assert "collective should_commit failed" in error["message"], error
