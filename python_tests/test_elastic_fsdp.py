@@ -43,10 +43,12 @@ and momenta unchanged (the ranks at position 0 learn it only from their replica'
 The constructor's checks (a manager made for another shard position, ``group=``) are run inside
 the same processes, before training.
 
-What is not tested here, and why: 3 replicas x 2 shards (8 processes with the restarts, too many
-for the 2 shared cores this suite runs on; nothing in the code depends on n = 2); GPU process
-groups (no GPU where the tests run); DiLoCo on an FSDP2 replica (``DiLoCo(manager=)`` runs one
-process per replica).
+``DLION_ELASTIC_FSDP_REPLICAS=3`` runs the same test with 3 replicas x 2 shards (replica 1 dies;
+replicas 0 and 2 go on with 2 participants, and the restart heals from either): by hand, not in
+the suite, whose 2 shared cores are too few for its 8 processes with the restarts.
+
+What is not tested here, and why: GPU process groups (no GPU where the tests run); DiLoCo on an
+FSDP2 replica (``DiLoCo(manager=)`` runs one process per replica).
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ from test_elastic import _exit_codes, _kill_left, _vote_bytes, _wait_for  # noqa
 
 from dlion_kernels.demo.elastic import read_records  # noqa: E402
 
-REPLICAS, SHARDS = 2, 2
+# 3 replicas x 2 shards (8 processes with the restarts) are too many for the 2 shared cores the
+# suite runs on; run them by hand: DLION_ELASTIC_FSDP_REPLICAS=3 pytest <this file> -n 0
+REPLICAS, SHARDS = int(os.environ.get("DLION_ELASTIC_FSDP_REPLICAS", "2")), 2
 VICTIM, KILL_AT, TARGET, TOGETHER = 1, 3, 9, 3
+OTHERS = [r for r in range(REPLICAS) if r != VICTIM]
 TIMEOUT = 10  # seconds: the managers' timeout (their process groups' and should_commit's)
 POISONED = 1  # the shard position of replica 0 given a NaN gradient in the second step after
 # the heal
@@ -193,7 +198,7 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
         # alone) and then committed TOGETHER steps with the healed replica 1, which stops after
         # as many: the same on both ranks of a replica (one quorum, one should_commit)
         seen["failed"] |= not record["committed"]
-        seen["alone"] |= seen["failed"] and record["committed"] and record["n"] == 1
+        seen["alone"] |= seen["failed"] and record["committed"] and record["n"] == REPLICAS - 1
         both = record["committed"] and record["n"] == REPLICAS
         seen["together"] += both and (replica == VICTIM or seen["alone"])
         if not kill and seen["together"] >= TOGETHER and record["step"] >= TARGET:
@@ -221,7 +226,7 @@ def _run(tmp_path, killed: int) -> tuple[dict, dict, float, dict]:
     # one store per replica and start (a restart gets a fresh one: no stale keys), kept here so
     # that a store outlives its replica's processes
     stores = {(r, k): TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-              for r, k in ((0, 0), (VICTIM, 0), (VICTIM, 1))}
+              for r, k in [(r, 0) for r in range(REPLICAS)] + [(VICTIM, 1)]}
     path = os.path.join(tmp, "replica{}-rank{}.jsonl").format
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchft",
@@ -253,14 +258,16 @@ def _run(tmp_path, killed: int) -> tuple[dict, dict, float, dict]:
             error = json.load(f)
         before = {q: len(read_records(path(VICTIM, q))) for q in range(SHARDS)}
 
-        def went_on():  # replica 0 committed a step alone after the death
-            return all(any(r["committed"] and r["n"] == 1 and r["t"] > died
-                           for r in read_records(path(0, q))) for q in range(SHARDS))
+        def went_on():  # the other replicas committed a step without replica 1 after the death
+            return all(any(r["committed"] and r["n"] == REPLICAS - 1 and r["t"] > died
+                           for r in read_records(path(o, q))) for o in OTHERS
+                       for q in range(SHARDS))
 
-        _wait_for("replica 0 stepping alone", went_on, [p for p in procs if p is not left],
+        _wait_for("the others stepping without it", went_on, [p for p in procs if p is not left],
                   limit=240)
         go.set()
-        current = [firsts[(0, q)] for q in range(SHARDS)] + list(restarts.values())
+        current = [firsts[(o, q)] for o in OTHERS for q in range(SHARDS)] + \
+            list(restarts.values())
         codes = _exit_codes(current, 240)
     finally:
         _kill_left(procs)
@@ -301,16 +308,17 @@ def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp
         a, b = records[(r, 0)], records[(r, 1)]
         assert [(x["step"], x["committed"], x["n"]) for x in a] == \
             [(x["step"], x["committed"], x["n"]) for x in b], r
-    # replica 0: its step of the kill does not commit, it goes on alone, then with the healed one
-    for q in range(SHARDS):
-        rs = records[(0, q)]
+    # the others: their step of the kill does not commit, they go on without replica 1, then
+    # with the healed one
+    for o, q in ((o, q) for o in OTHERS for q in range(SHARDS)):
+        rs = records[(o, q)]
         assert any(not rec["committed"] for rec in rs), "the step of the kill cannot commit"
-        assert any(rec["committed"] and rec["n"] == 1 and rec["t"] > died for rec in rs), \
-            "no step alone"
+        assert any(rec["committed"] and rec["n"] == REPLICAS - 1 and rec["t"] > died
+                   for rec in rs), "no step without replica 1"
         assert rs[-1]["committed"] and rs[-1]["n"] == REPLICAS and rs[-1]["step"] >= TARGET
         # a step with both replicas before the kill: the vote ran between replicas
         assert any(rec["committed"] and rec["n"] == REPLICAS and rec["t"] < died for rec in rs)
-    # replica 1's restarted ranks heal from the rank at their position in replica 0
+    # replica 1's restarted ranks heal from the rank at their position in a live replica
     for q in range(SHARDS):
         old, healed = records[(VICTIM, q)][:before[q]], records[(VICTIM, q)][before[q]:]
         assert healed, f"the restarted rank {q} of replica 1 took no step"
@@ -318,10 +326,12 @@ def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp
         assert first["committed"] and first["n"] == REPLICAS, first
         assert first["digest"] in by_step[(first["step"], q)]
         assert first["step"] > max((rec["step"] for rec in old if rec["committed"]), default=0)
-        twin = next(rec for rec in records[(0, q)] if rec["committed"]
-                    and rec["step"] == first["step"])
-        # "peer": the momentum and the step count the quorum left are those of its twin
-        assert first["momentum"] == twin["momentum"] and first["counts"] == twin["counts"]
+        twins = [next(rec for rec in records[(o, q)] if rec["committed"]
+                      and rec["step"] == first["step"]) for o in OTHERS]
+        # "peer": the momentum and the step count the quorum left are those of its twin (the
+        # rank at its position in the replica it healed from)
+        assert any(first["momentum"] == twin["momentum"] and first["counts"] == twin["counts"]
+                   for twin in twins)
         assert first["counts"] == [first["step"] - 1]
         assert all(rec["committed"] and rec["n"] == REPLICAS for rec in healed)
         assert len(healed) >= TOGETHER and healed[-1]["step"] == records[(0, q)][-1]["step"]
