@@ -52,6 +52,15 @@ RESTART_THE_JOB = ("The process group is no longer usable: destroy it, restart t
                    "from the last checkpoint (dlion_kernels.load_state).")
 
 
+def rebuilt_error(cls, args, state):
+    """An error as it was pickled (its message and attributes), not made again: the library's
+    errors take more than a message, and this one would read the receiving process's rank."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class DistributedStepError(RuntimeError):
     """A collective of a D-Lion step failed or timed out on this rank (a peer died or stalled).
 
@@ -70,6 +79,9 @@ class DistributedStepError(RuntimeError):
             f"{label} {step}: collective {collective} failed on rank {self.rank}: {detail}. "
             f"A peer rank has probably died or stalled; {applied}. {advice}"
         )
+
+    def __reduce__(self):  # sent between processes (multiprocessing, an elastic agent)
+        return rebuilt_error, (type(self), self.args, self.__dict__)
 
 
 _MAX_SECONDS = datetime.timedelta.max.total_seconds()

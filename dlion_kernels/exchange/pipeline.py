@@ -62,7 +62,7 @@ import torch.distributed as dist
 from ..kernels import backends
 from ..kernels.layout import WORD_BYTES, aggregate_planes, shard_blocks, vote_planes
 from .checks import DTYPES, check_tensor
-from .collectives import DistributedStepError, collective, gather_into_tensor
+from .collectives import DistributedStepError, collective, gather_into_tensor, rebuilt_error
 from .collectives import wait as wait_work
 from .groups import retire
 from .header import (
@@ -99,6 +99,9 @@ class StepAbortedError(RuntimeError):
             f"D-Lion step {step}: rank(s) {self.ranks} of the exchange's group gave up the step "
             "after an error of their own (see their error); nothing was updated on any rank. "
             "The process group is still usable: fix the cause there and step again")
+
+    def __reduce__(self):
+        return rebuilt_error, (type(self), self.args, self.__dict__)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,23 @@ def test_error_names_step_collective_and_rank():
     assert "; the gossip was mixed. " in str(e)
 
 
+def test_errors_survive_pickling():
+    # sent between processes (a multiprocessing pool, an elastic agent's error file) as they are
+    import pickle
+
+    from dlion_kernels.exchange.pipeline import StepAbortedError
+
+    e = DistributedStepError(7, "all_gather(aggregate)", "d", advice="Restart the replica.")
+    e.rank = 5  # as raised on rank 5
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is DistributedStepError and str(back) == str(e)
+    assert (back.step, back.collective, back.rank) == (7, "all_gather(aggregate)", 5)
+    a = StepAbortedError(4, [2, 0])
+    back = pickle.loads(pickle.dumps(a))
+    assert type(back) is StepAbortedError and str(back) == str(a)
+    assert (back.step, back.ranks) == (4, [2, 0])
+
+
 class _Work:
     """A torch.distributed Work stand-in: records how it was waited on."""
 
