@@ -60,3 +60,7 @@ def test_bench_elastic_smoke(tmp_path):
     assert summary["dk-dlion"]["plain_time_ratio"] == pytest.approx(ratio)
     text = (tmp_path / "summary.md").read_text()
     assert "no failure injected" in text and f"{ratio:.2f}x" in text
+    # every run's raw records, one line per step attempt, are kept next to the results
+    for label in ("torchft-allreduce-0-0", "dk-dlion-0-0", "dk-dlion-plain-0-0"):
+        lines = (tmp_path / "runs" / label / "replica0.jsonl").read_text().splitlines()
+        assert sum('"step"' in line for line in lines) >= 12, label
