@@ -411,21 +411,20 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
             wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
             for i in range(REPLICAS):
                 start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
-        if variant != PLAIN and args.no_failure:
             names = [f"replica{i}" for i in range(REPLICAS)]
-        elif variant != PLAIN:
-            start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
-            wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None)
-            if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
-                fail(f"replica {VICTIM} was to be killed; exit code "
-                     f"{procs[f'replica{VICTIM}'].returncode}")
-            survivors = [i for i in range(REPLICAS) if i != VICTIM]
-            wait("the survivors' steps", lambda: all(
-                any(r.get("committed") and r["step"] >= args.restart_at
-                    for r in read_records(path(i))) for i in survivors))
-            go_t = time.time()
-            open(cfg["go_file"], "w").close()
-            names = ["replica0", "replica1", "restart"]
+            if not args.no_failure:
+                start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
+                wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None)
+                if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
+                    fail(f"replica {VICTIM} was to be killed; exit code "
+                         f"{procs[f'replica{VICTIM}'].returncode}")
+                survivors = [i for i in range(REPLICAS) if i != VICTIM]
+                wait("the survivors' steps", lambda: all(
+                    any(r.get("committed") and r["step"] >= args.restart_at
+                        for r in read_records(path(i))) for i in survivors))
+                go_t = time.time()
+                open(cfg["go_file"], "w").close()
+                names = ["replica0", "replica1", "restart"]
         wait("the end", lambda: all(procs[k].poll() is not None for k in names))
         codes = {k: procs[k].returncode for k in names}
         if any(codes.values()):

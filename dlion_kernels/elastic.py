@@ -103,25 +103,24 @@ MAX_BACKOFF = 64
 
 class _Background:
     """``fn()`` on a daemon thread (a quorum that never forms must not keep the process from
-    exiting); ``result()`` waits and returns or raises what it did."""
+    exiting); ``result()`` waits for it and raises what it raised."""
 
     def __init__(self, fn):
-        self.out = self.error = None
+        self.error = None
         self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
                                        name="dlion-quorum")
         self.thread.start()
 
     def _run(self, fn) -> None:
         try:
-            self.out = fn()
+            fn()
         except BaseException as e:  # raised again in the caller's thread
             self.error = e
 
-    def result(self):
+    def result(self) -> None:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        return self.out
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ def _kill_left(procs) -> None:
 
 
 def _run(phases, tmp_path) -> dict:
-    """3 replicas through ``phases`` ((kind, victims, kill_at, target[, late]) each): in each
+    """3 replicas through ``phases`` ((kind, victims, kill_at, target, late) each): in each
     phase its victims kill themselves in the same step and are restarted (processes imported
     ahead) once the survivors have gone on without them: committed a step with 2 replicas, or,
     for one survivor alone (below min_replica_size), failed the step. ``late`` (``_phase``): a
@@ -211,7 +211,6 @@ def _run(phases, tmp_path) -> dict:
     # replica slowed by a loaded machine misses a quorum and starts the next one with another,
     # and quorums of 2 alternate from then on; 4 s keeps the 3 together (the survivors' first
     # quorum after a kill waits at most that long for the dead replica)
-    phases = [tuple(ph) + (None,) * (5 - len(ph)) for ph in phases]
     houses = [LighthouseServer(bind="[::]:0", min_replicas=2,
                                join_timeout_ms=4000 if late is None else 1000)
               for _, _, _, _, late in phases]
@@ -266,21 +265,31 @@ def _run(phases, tmp_path) -> dict:
             for (kind, _, _, _, _), b in zip(phases, before)}
 
 
+def _committed_digests(records) -> dict:
+    """Every committed manager step's parameter digest, asserted the same on every replica that
+    committed it (bit-identical after every committed step)."""
+    by_step: dict = {}
+    for rs in records:
+        for r in rs:
+            if r["committed"]:
+                by_step.setdefault(r["step"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), \
+        {s: d for s, d in by_step.items() if len(d) > 1}
+    return {s: d.pop() for s, d in by_step.items()}
+
+
 def _check(run, sent_bound) -> None:
     records, before = run["records"], run["before"]
     # no step applied on a subset; bit-identical after every committed step
-    by_step: dict = {}
+    by_step = _committed_digests(records)
     for i, rs in enumerate(records):
         prev = None
         for k, r in enumerate(rs):
             if r["committed"]:
-                by_step.setdefault(r["step"], set()).add(r["digest"])
                 assert r["n"] >= 2, "committed below min_replica_size"
             elif prev is not None and before.get(i) != k:
                 assert r["digest"] == prev["digest"], "a step that did not commit changed it"
             prev = r
-    assert all(len(d) == 1 for d in by_step.values()), \
-        {s: d for s, d in by_step.items() if len(d) > 1}
     survivors = [rs for i, rs in enumerate(records) if i not in before]
     for rs in survivors:
         assert not all(r["committed"] for r in rs), "the step of the kill cannot have committed"
@@ -293,7 +302,7 @@ def _check(run, sent_bound) -> None:
         first = healed[0]
         assert first["committed"] and first["n"] >= 2, first
         # healed: it stepped from the survivors' state, so its first step ends where theirs does
-        assert first["digest"] in by_step[first["step"]]
+        assert first["digest"] == by_step[first["step"]]
         assert first["step"] > max((r["step"] for r in records[v][:b] if r["committed"]),
                                    default=0)
         assert healed[-1]["committed"] and healed[-1]["n"] == REPLICAS
@@ -309,12 +318,7 @@ def _check_late(records, late: int) -> None:
     the next quorum ahead (zero_grad), and that quorum found it behind while its forward and
     backward ran. It heals in step(), and its vote, made before the heal, counts nowhere: every
     replica commits that step with nothing applied. Then all vote again."""
-    by_step: dict = {}
-    for rs in records:
-        for r in rs:
-            if r["committed"]:
-                by_step.setdefault(r["step"], set()).add(r["digest"])
-    assert all(len(d) == 1 for d in by_step.values()), by_step
+    _committed_digests(records)
     rs = records[late]
     k = next(k for k, r in enumerate(rs) if r["paused"])
     healed = rs[k]
@@ -357,8 +361,9 @@ def test_a_replica_killed_mid_step_and_mid_sync_survivors_go_on_and_it_heals(tmp
     # have healed; each restarted replica goes on into the next phases
     # (last, DistributedLion with no failure: replica 2 pauses after committing step 3, past
     # the Lighthouse's wait, and the others go on without it: _check_late)
-    runs = _run([("lion", (1,), 3, 8), ("dlion", (2,), 2, 5), ("nesterov", (0,), 2, 5),
-                 ("lion2", (1, 2), 3, 8), ("lion3", (), None, 8, (2, 3))], tmp_path)
+    runs = _run([("lion", (1,), 3, 8, None), ("dlion", (2,), 2, 5, None),
+                 ("nesterov", (0,), 2, 5, None), ("lion2", (1, 2), 3, 8, None),
+                 ("lion3", (), None, 8, (2, 3))], tmp_path)
     _check_late(runs["lion3"]["records"], late=2)
     _check(runs["lion"], _vote_bytes)
     _check(runs["lion2"], _vote_bytes)

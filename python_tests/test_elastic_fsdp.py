@@ -54,6 +54,7 @@ FSDP2 replica (``DiLoCo(manager=)`` runs one process per replica).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -310,7 +311,7 @@ def test_fsdp2_replica_groups_vote_survive_a_dead_replica_and_heal_per_shard(tmp
             [(x["step"], x["committed"], x["n"]) for x in b], r
     # the others: their step of the kill does not commit, they go on without replica 1, then
     # with the healed one
-    for o, q in ((o, q) for o in OTHERS for q in range(SHARDS)):
+    for o, q in itertools.product(OTHERS, range(SHARDS)):
         rs = records[(o, q)]
         assert any(not rec["committed"] for rec in rs), "the step of the kill cannot commit"
         assert any(rec["committed"] and rec["n"] == REPLICAS - 1 and rec["t"] > died
