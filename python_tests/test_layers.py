@@ -33,6 +33,7 @@ FLOORS = [
     ("dlion_kernels.kernels", 1),  # the fused stages on every backend
     ("dlion_kernels.launch", 1),  # local gloo ranks for tests, benchmarks and the demo
     ("dlion_kernels.exchange", 2),  # the D-Lion protocol on a process group (and sharded.py)
+    ("dlion_kernels.simulate", 2),  # the protocol's stages for k workers in one process
     ("dlion_kernels.plan.measure", 2),  # the runtime model on a live group: calibration
     ("dlion_kernels.plan.auto", 2),
     ("dlion_kernels.plan.__main__", 2),  # its CLI (--measure)
