@@ -199,13 +199,14 @@ class _Votes:
         return out
 
     def apply(self, aggregate, params, grads_by_worker, momenta_by_worker, *, lr: float,
-              weight_decay: float, beta2: float, scratch) -> None:
+              weight_decay: float, beta2: float, scratch, others: bool = True) -> None:
         """x = x - lr (D + wd x) on the shared ``params`` with worker 0's momentum update, then
-        every other worker's momentum update (applied to ``scratch``, a throwaway copy)."""
+        every other worker's momentum update (applied to ``scratch``, a throwaway copy), unless
+        ``others`` is False (their momenta are thrown away too)."""
         L = self.layout
         live = [t for t, n in enumerate(L.numels) if n > 0]
         offs = [L.offsets[t] for t in live]
-        for w in range(self.k):
+        for w in range(self.k if others else 1):
             xs = [params[t] if w == 0 else scratch[t] for t in live]
             gs = [grads_by_worker[w][t] for t in live]
             ms = [momenta_by_worker[w][t] for t in live]
@@ -504,7 +505,7 @@ class SimulatedDiLoCo:
 
     def _dlion_options(self, grads, step):
         L, v, k = self.layout, self._votes, self.workers
-        p = grads + self.residual if self.residual is not None else grads
+        p = grads.add_(self.residual) if self.residual is not None else grads  # p_w, in place
         c = self.momentum * self.beta1
         c += p * (1.0 - self.beta1)
         if self.threshold > 0:
@@ -516,14 +517,15 @@ class SimulatedDiLoCo:
         cv = [L.views(c[w]) for w in range(k)]
         if self._skip(v.nonfinite(cv)):
             return True, v.bytes + scale_bytes
-        # the exchange only votes: c' = 0 m + 1 c, x = 0 - 1 (D + 0 x), m kept (b2 = 1)
-        scratch_m = torch.zeros_like(p)
-        sm = [L.views(scratch_m[w]) for w in range(k)]
-        aggregate = v.aggregate(cv, sm, 0.0, step)
+        # the exchange only votes: c' = 0 m + 1 c, x = 0 - 1 (D + 0 x), m kept (b2 = 1). Its
+        # momentum is a zero scratch that the local step only reads (one for every worker) and
+        # that nothing reads after the apply: only worker 0's apply runs (it sets x)
+        scratch_m = L.views(torch.zeros_like(self.theta_bar))
+        aggregate = v.aggregate(cv, [scratch_m] * k, 0.0, step)
         zero = torch.zeros_like(self.theta_bar)
         zv = L.views(zero)
-        v.apply(aggregate, zv, cv, sm, lr=1.0, weight_decay=0.0, beta2=1.0,
-                scratch=[torch.zeros_like(x) for x in zv] if k > 1 else None)
+        v.apply(aggregate, zv, cv, [scratch_m] * k, lr=1.0, weight_decay=0.0, beta2=1.0,
+                scratch=None, others=False)
         u = torch.neg(zero)  # D
         if self.scale:
             mine = torch.stack([torch.stack([x.abs().mean() if x.numel() else x.new_zeros(())
