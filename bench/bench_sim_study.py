@@ -188,9 +188,10 @@ def dlion_centre(method: str, H: int, rule: dict | None) -> float:
 
 
 def run_sweep(store, args):
-    """Every candidate on the held-out seed; the rule chosen there; then, for the chosen
-    candidate and the plain step, the reported seeds at each setting's best lr, its two
-    neighbours and the rule's lr."""
+    """Every candidate on the held-out seed (``tune``, sqrt 2 apart, two tried lrs on each side
+    of the best); the candidate and rule chosen there (``sweep_choices``), refined once by
+    factors of 2^(1/4) around the chosen c; then, for the chosen candidate and the plain step,
+    the reported seeds at each setting's best lr, its two neighbours and the rule's lr."""
     budgets = (args.steps // 4, args.steps)
     tuned = {}
     for method in args.candidates:
@@ -199,19 +200,30 @@ def run_sweep(store, args):
                 tuned[method, H, steps] = tune(
                     store, "chars", method, args.k, H, steps, dlion_centre(method, H, None),
                     ratio=math.sqrt(2), need_neighbours=2)
-    chosen = sweep_report(store, args)["chosen"]
-    for method in dict.fromkeys([chosen["method"], "dlion"]):
-        if method not in args.candidates:
-            continue
+    chosen = _ranked(sweep_choices(store, args), "all")[0]
+    plain = next(iter(_ranked([c for c in sweep_choices(store, args)
+                               if c["method"] == "dlion"], "own")), None)
+    for pick in [chosen] + ([plain] if plain else []):
+        for f in (2 ** -0.25, 2 ** 0.25):  # one finer step of c around the pick
+            rule = dict(pick["rule"], c=pick["rule"]["c"] * f)
+            for H in args.sync_every:
+                for steps in budgets:
+                    store.get(config("chars", pick["method"], args.k, H, rule_lr(rule, H),
+                                     args.tune_seed, steps))
+    choices = sweep_choices(store, args)
+    picks = [_ranked(choices, "all")[0]]
+    plain = next(iter(_ranked([c for c in choices if c["method"] == "dlion"], "own")), None)
+    if plain and plain["method"] != picks[0]["method"]:
+        picks.append(plain)
+    for pick in picks:
         for H in args.sync_every:
             for steps in budgets:
-                best, trials = tuned[method, H, steps]
+                best, trials = tuned[pick["method"], H, steps]
                 j = next(j for j, t in trials.items() if t["lr"] == best)
                 lrs = {trials[i]["lr"] for i in (j - 1, j, j + 1) if i in trials}
-                if method == chosen["method"]:
-                    lrs.add(rule_lr(chosen["rule"], H))
+                lrs.add(rule_lr(pick["rule"], H))
                 for lr in sorted(lrs):
-                    evaluate(store, "chars", method, args.k, H, steps, lr, args.seeds)
+                    evaluate(store, "chars", pick["method"], args.k, H, steps, lr, args.seeds)
     report = sweep_report(store, args)
     common.save_text(args.out, "sweep.md", report["text"])
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
@@ -235,98 +247,141 @@ def _losses(store, method, k, H, steps, seeds) -> dict:
     return {lr: [v[s] for s in seeds] for lr, v in out.items() if all(s in v for s in seeds)}
 
 
-def sweep_report(store, args) -> dict:
+RULES = ((0.0, "one lr"), (1.0, "c x inner lr x H"), (0.5, "c x inner lr x sqrt(H)"))
+
+
+def _settings(args):
     budgets = (args.steps // 4, args.steps)
-    settings = [(H, s) for H in args.sync_every for s in budgets]
+    return [(H, s) for H in args.sync_every for s in budgets]
+
+
+def _at(losses: dict, lr: float):
+    return next((v for x, v in losses.items() if math.isclose(x, lr, rel_tol=1e-3)), None)
+
+
+def sweep_choices(store, args, seeds=None) -> list:
+    """Every (candidate, rule) whose lr ran in every setting on ``seeds`` (default: the
+    held-out seed; several: their mean): its excess over the candidate's own best lr in the
+    worst setting (``own``) and over the best of every candidate there (``all``)."""
+    seeds = (args.tune_seed,) if seeds is None else tuple(seeds)
     inner = sim_tasks.TASKS["chars"].inner_lr
-    rows, choices = [], []
-    for method in args.candidates:
-        tune_l = {st: {lr: v[0] for lr, v in _losses(store, method, args.k, *st,
-                                                          (args.tune_seed,)).items()}
-                  for st in settings}
-        eval_l = {st: {lr: statistics.fmean(v) for lr, v in _losses(
-            store, method, args.k, *st, tuple(args.seeds)).items()} for st in settings}
-        if not all(tune_l.values()):
-            continue
-        # every rule whose lr at each setting ran on the held-out seed: its worst excess there
-        for power, name in ((0.0, "one lr"), (1.0, "c x inner lr x H"),
-                            (0.5, "c x inner lr x sqrt(H)")):
-            cs = sorted({round(lr / (inner * H ** power), 10) for (H, _), ls in tune_l.items()
+    settings = _settings(args)
+    table = {m: {st: {lr: statistics.fmean(v) for lr, v in _losses(
+        store, m, args.k, *st, seeds).items()} for st in settings} for m in args.candidates}
+    table = {m: t for m, t in table.items() if all(t.values())}
+    best_all = {st: min(min(t[st].values()) for t in table.values()) for st in settings}
+    out = []
+    for m, t in table.items():
+        for power, name in RULES:
+            cs = sorted({round(lr / (inner * H ** power), 10) for (H, _), ls in t.items()
                          for lr in ls})
             for c in cs:
                 rule = dict(c=c, power=power, name=name)
-                excess = []
-                for st, ls in tune_l.items():
-                    lr = rule_lr(rule, st[0])
-                    hit = next((v for x, v in ls.items() if math.isclose(x, lr, rel_tol=1e-3)),
-                               None)
-                    excess.append(math.inf if hit is None else hit / min(ls.values()) - 1)
-                choices.append(dict(method=method, rule=rule, worst=max(excess)))
+                own, every = [], []
+                for st, ls in t.items():
+                    v = _at(ls, rule_lr(rule, st[0]))
+                    own.append(math.inf if v is None else v / min(ls.values()) - 1)
+                    every.append(math.inf if v is None else v / best_all[st] - 1)
+                if math.isfinite(max(own)):
+                    out.append(dict(method=m, rule=rule, own=max(own), all=max(every)))
+    return out
+
+
+def _ranked(choices, by: str) -> list:
+    other = "own" if by == "all" else "all"
+    return sorted(choices, key=lambda c: (round(c[by], 4), c[other]))
+
+
+def sweep_report(store, args) -> dict:
+    settings = _settings(args)
+    budgets = (args.steps // 4, args.steps)
+    inner = sim_tasks.TASKS["chars"].inner_lr
+    tune_choices = sweep_choices(store, args)
+    chosen = _ranked(tune_choices, "all")[0] if tune_choices else None
+    plain = next(iter(_ranked([c for c in tune_choices if c["method"] == "dlion"], "own")),
+                 None)
+    rows = []
+    for method in args.candidates:
         for st in settings:
-            tl, el = tune_l[st], eval_l[st]
-            rows.append(dict(method=method, H=st[0], steps=st[1],
-                             best_tune=min(tl, key=tl.get), best_tune_loss=min(tl.values()),
-                             best_eval=min(el, key=el.get) if el else None,
-                             best_eval_loss=min(el.values()) if el else None,
-                             tune=tl, eval=el))
-    choices.sort(key=lambda c: (c["worst"], c["method"] != "dlion-ef-decay-0.5"))
-    chosen = choices[0] if choices else None
+            tl = {lr: v[0] for lr, v in _losses(store, method, args.k, *st,
+                                                 (args.tune_seed,)).items()}
+            per_seed = _losses(store, method, args.k, *st, tuple(args.seeds))
+            el = {lr: statistics.fmean(v) for lr, v in per_seed.items()}
+            if not tl:
+                continue
+            row = dict(method=method, H=st[0], steps=st[1], best_tune=min(tl, key=tl.get),
+                       best_tune_loss=min(tl.values()),
+                       best_eval=min(el, key=el.get) if el else None,
+                       best_eval_loss=min(el.values()) if el else None,
+                       tune=tl, eval=el, per_seed=per_seed)
+            pick = chosen if chosen and method == chosen["method"] else \
+                plain if plain and method == "dlion" else None
+            if pick is not None:
+                lr = rule_lr(pick["rule"], st[0])
+                row["rule_lr"] = lr
+                hit = next((x for x in per_seed if math.isclose(x, lr, rel_tol=1e-3)), None)
+                if hit is not None and el:
+                    row["rule_loss"] = el[hit]
+                    row["rule_excess"] = el[hit] / row["best_eval_loss"] - 1
+                    row["rule_worst_seed"] = max(
+                        v / min(ls[i] for ls in per_seed.values()) - 1
+                        for i, v in enumerate(per_seed[hit]))
+            rows.append(row)
     lines = ["# The default outer lr of DiLoCo(outer=\"dlion\"): the sweep", "",
              f"Chars task (the outer study's MLP and inner settings: AdamW lr {inner:g}, weight "
              f"decay 0.01, 128 windows per step), k = {args.k} simulated workers, H in "
              f"{list(args.sync_every)}, budgets of {budgets[0]} and {budgets[1]} steps "
-             f"({budgets[0] * 128:,} and {budgets[1] * 128:,} predicted characters). lrs on a "
-             "grid of factors of sqrt 2; the held-out seed "
-             f"{args.tune_seed} picks; seeds {list(args.seeds)} check.", ""]
-    if chosen:
-        r = chosen["rule"]
-        lines += [f"**Chosen on the held-out seed:** `{chosen['method']}` with outer_lr = "
-                  f"{_rule_text(r)} (worst excess over a setting's best on that seed: "
-                  f"{100 * chosen['worst']:.2f}%).", ""]
-        lines += ["| candidate | rule | worst excess on the held-out seed |", "|---|---|---|"]
-        seen = set()
-        for c in choices:
-            tag = (c["method"], c["rule"]["name"])
-            if tag in seen or not math.isfinite(c["worst"]):
-                continue
-            seen.add(tag)
-            lines.append(f"| {c['method']} | {_rule_text(c['rule'])} | "
-                         f"{100 * c['worst']:.2f}% |")
-        lines += ["", "Each setting: the best lr on the held-out seed and on the mean of the "
-                  "reported seeds, and the chosen rule's lr and loss there (mean over the "
-                  "reported seeds; excess over the best of the seeds' mean, and the worst seed's "
-                  "excess over that seed's best).", "",
-                  "| candidate | H | steps | best lr (held-out) | best lr (seeds) | loss at best "
-                  "| rule lr | loss at rule lr | excess (mean) | worst seed |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+             f"({budgets[0] * 128:,} and {budgets[1] * 128:,} predicted characters). Outer lrs "
+             "sqrt 2 apart, two tried on each side of the best; the held-out seed "
+             f"{args.tune_seed} picks the candidate and the rule; seeds {list(args.seeds)} "
+             "check it.", ""]
+    for title, pick in (("The default (candidate and rule)", chosen),
+                        ("The plain step's rule", plain)):
+        if pick is None:
+            continue
+        lines += [f"**{title}, chosen on the held-out seed:** `{pick['method']}` with outer_lr"
+                  f" = {_rule_text(pick['rule'])}: on that seed, worst excess over the "
+                  f"candidate's own best lr of a setting {100 * pick['own']:.2f}%, over the "
+                  f"best of all candidates {100 * pick['all']:.2f}%.", ""]
+        lines += ["| H | steps | best lr (held-out) | best lr (seeds' mean) | loss at best | "
+                  "rule lr | loss at rule lr | excess (mean) | worst seed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
-            lr = rule_lr(r, row["H"])
-            per_seed = _losses(store, row["method"], args.k, row["H"], row["steps"],
-                               tuple(args.seeds))
-            hit = next((x for x in per_seed if math.isclose(x, lr, rel_tol=1e-3)), None)
-            row["rule_lr"] = lr
-            if hit is None or row["best_eval"] is None:
-                row["rule_excess"] = None
-                lines.append(f"| {row['method']} | {row['H']} | {row['steps']} | "
-                             f"{row['best_tune']:g} | - | - | {lr:g} | not run | - | - |")
+            if row["method"] != pick["method"]:
                 continue
-            mean = statistics.fmean(per_seed[hit])
-            worst_seed = max(v / min(ls[i] for ls in per_seed.values()) - 1
-                             for i, v in enumerate(per_seed[hit]))
-            row["rule_excess"], row["rule_worst_seed"] = mean / row["best_eval_loss"] - 1, \
-                worst_seed
-            lines.append(f"| {row['method']} | {row['H']} | {row['steps']} | "
-                         f"{row['best_tune']:g} | {row['best_eval']:g} | "
-                         f"{row['best_eval_loss']:.4f} | {lr:g} | {mean:.4f} | "
-                         f"{100 * row['rule_excess']:+.2f}% | {100 * worst_seed:+.2f}% |")
-    lines += ["", "## Loss against outer lr (held-out seed; mean of the reported seeds)", ""]
+            if "rule_excess" not in row:
+                lines.append(f"| {row['H']} | {row['steps']} | {row['best_tune']:g} | - | - | "
+                             f"{row.get('rule_lr', 0):g} | not run | - | - |")
+                continue
+            lines.append(f"| {row['H']} | {row['steps']} | {row['best_tune']:g} | "
+                         f"{row['best_eval']:g} | {row['best_eval_loss']:.4f} | "
+                         f"{row['rule_lr']:g} | {row['rule_loss']:.4f} | "
+                         f"{100 * row['rule_excess']:+.2f}% | "
+                         f"{100 * row['rule_worst_seed']:+.2f}% |")
+        lines.append("")
+    lines += ["Excess: the rule's loss (mean of the reported seeds) over the best lr's of that "
+              "setting among those run on them; worst seed: the largest excess of one seed over "
+              "that seed's own best.", "",
+              "## Every candidate and rule on the held-out seed (best 25 by the worst excess "
+              "over the best of all candidates)", "",
+              "| candidate | rule | worst excess over its own best | over the best of all |",
+              "|---|---|---|---|"]
+    shown = set()
+    for c in _ranked(tune_choices, "all"):
+        tag = (c["method"], _rule_text(c["rule"]))
+        if tag in shown or len(shown) == 25:
+            continue
+        shown.add(tag)
+        lines.append(f"| {c['method']} | {_rule_text(c['rule'])} | {100 * c['own']:.2f}% | "
+                     f"{100 * c['all']:.2f}% |")
+    lines += ["", "## Loss against outer lr (held-out seed / mean of the reported seeds)", ""]
     for row in rows:
         cells = ", ".join(f"{lr:g}: {v:.4f}" + (f" / {row['eval'][lr]:.4f}" if lr in row["eval"]
                                                  else "")
                           for lr, v in sorted(row["tune"].items()))
         lines.append(f"- {row['method']}, H = {row['H']}, {row['steps']} steps: {cells}")
-    return dict(text="\n".join(lines) + "\n", chosen=chosen, rows=rows,
-                choices=[c for c in choices if math.isfinite(c["worst"])][:40])
+    return dict(text="\n".join(lines) + "\n", chosen=chosen, plain=plain, rows=rows,
+                choices=_ranked(tune_choices, "all")[:40])
 
 
 def _rule_text(rule: dict) -> str:

@@ -40,7 +40,8 @@ def test_sweep_smoke(tmp_path):
     assert sweep["chosen"]["method"] in {"dlion", "dlion-ef-decay-0.5"}
     for row in sweep["rows"]:  # the chosen rule ran on the reported seed in every setting
         if row["method"] == sweep["chosen"]["method"]:
-            assert row["rule_excess"] is not None and row["rule_excess"] >= 0
+            assert row["rule_excess"] >= 0 and row["rule_lr"] in map(float, row["eval"])
+    assert sweep["plain"]["method"] == "dlion"
     assert "Chosen on the held-out seed" in (tmp_path / "sweep.md").read_text()
 
 
