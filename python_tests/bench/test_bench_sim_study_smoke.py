@@ -42,7 +42,7 @@ def test_sweep_smoke(tmp_path):
         if row["method"] == sweep["chosen"]["method"]:
             assert row["rule_excess"] >= 0 and row["rule_lr"] in map(float, row["eval"])
     assert sweep["plain"]["method"] == "dlion"
-    assert "Chosen on the held-out seed" in (tmp_path / "sweep.md").read_text()
+    assert "chosen on the held-out seed" in (tmp_path / "sweep.md").read_text()
 
 
 def test_per_step_smoke(tmp_path):
