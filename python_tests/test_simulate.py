@@ -293,3 +293,31 @@ def test_stacked_workers_match_lists_of_parameters():
         assert torch.equal(a.theta_bar, b.theta_bar)
         for w in range(k):
             assert _equal(_snap(models[w]), [s[w] for s in stacked])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
+def test_runs_unchanged_on_one_gpu():
+    """The same code on CUDA tensors (the best backend there): the parameters of a few D-Lion
+    steps and DiLoCo syncs equal the CPU's within one fp32 rounding per step, as the backends
+    promise one another."""
+    k = 4
+    grads = [[_grads(_model(), w, t) for w in range(k)] for t in range(3)]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model = _model().to(device)
+        sim = SimulatedDLion(model.parameters(), k, lr=LR, weight_decay=WD, mode="average",
+                             votes="ternary")
+        for t in range(3):
+            sim.step([[g.to(device) for g in gs] for gs in grads[t]])
+        models = [_model().to(device) for _ in range(k)]
+        outer = SimulatedDiLoCo([list(m.parameters()) for m in models], 1, outer_lr=1e-2,
+                                outer_options=dict(error_feedback=True, ef_decay=0.5))
+        for t in range(2):
+            for w in range(k):
+                with torch.no_grad():
+                    for p, g in zip(models[w].parameters(), grads[t][w]):
+                        p -= 0.1 * g.to(device)
+            outer.step()
+        runs[device] = (_snap(model), outer.theta_bar.clone())
+    for a, b in zip(runs["cpu"][0] + [runs["cpu"][1]], runs["cuda"][0] + [runs["cuda"][1]]):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
