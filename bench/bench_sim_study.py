@@ -7,7 +7,7 @@
                                               [--sync-every 8 64] [--dlion METHOD]
     python bench/bench_sim_study.py budgets   [--workers 4 16 64] [--sync-every 8 64]
                                               [--dlion METHOD]
-    python bench/bench_sim_study.py summarize DIR
+    python bench/bench_sim_study.py summarize DIR [--inputs DIR1 DIR2 ...]
 
 Every run is one process, one thread, the k workers simulated (``sim_runs.py``), on the tasks of
 ``sim_tasks.py`` (the outer study's character MLP, and a byte-level GPT on the standard library).
@@ -449,10 +449,17 @@ def _bytes(method, k, numel, tensors, r):
     return r["bytes_per_sync"]
 
 
-def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS) -> str:
-    runs = []
-    with open(os.path.join(out_dir, "runs.jsonl")) as f:
-        runs = [json.loads(line) for line in f if line.strip()]
+def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None) -> str:
+    """study.md, study.json and the plots of the runs in ``out_dir`` (or in the folders
+    ``inputs``: one study over several folders' runs.jsonl, each run once)."""
+    runs = {}
+    for folder in inputs or [out_dir]:
+        with open(os.path.join(folder, "runs.jsonl")) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    runs[key(r)] = r
+    runs = list(runs.values())
     picked = _picked(runs, tune_seed)
     rows = []
     for (task, method, k, H, steps), (lr, ev, trials) in sorted(picked.items()):
@@ -658,6 +665,8 @@ def parse_args(argv=None):
     ap.add_argument("study", choices=("sweep", "per-step", "local", "budgets", "summarize"))
     ap.add_argument("dir", nargs="?", help="summarize: the results folder")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--inputs", nargs="+", default=None,
+                    help="summarize: the folders whose runs.jsonl to read (default: DIR)")
     ap.add_argument("--tasks", nargs="+", default=["chars", "stdlib"],
                     choices=sorted(sim_tasks.TASKS))
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
@@ -721,7 +730,8 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.study == "summarize":
-        print(summarize(args.dir, args.tune_seed, tuple(args.seeds)))
+        os.makedirs(args.dir, exist_ok=True)
+        print(summarize(args.dir, args.tune_seed, tuple(args.seeds), args.inputs))
         return
     args.out = common.results_dir(f"sim-{args.study}", args.out)
     os.makedirs(args.out, exist_ok=True)
