@@ -26,8 +26,10 @@ lr on them is known, and checks the default chosen on the held-out seed against 
   outer study's settings), H in {8, 32, 64}, budgets of 512 and 2048 steps (a quarter of the
   outer study's and all of it), the candidate outer steps ``--candidates``. Picks, on the
   held-out seed, the candidate and the rule (one lr, or c x inner lr x H, or c x inner lr x
-  sqrt H) whose worst loss over the six settings is least above each setting's best; checks it
-  on the reported seeds. Writes ``sweep.md`` / ``sweep.json``.
+  sqrt H) whose worst loss over the six settings is least above the best of every candidate
+  there, with c refined by factors of 2^(1/4) and 2^(1/8) on that seed; checks it on the
+  reported seeds; the plain step's own best rule beside it. Writes ``sweep.md`` /
+  ``sweep.json``.
 - ``per-step``: AdamW and Lion on the mean gradient (k does not change their math; their bytes
   are the all-reduce's at each k), D-Lion vote/average x binary/ternary at each k.
 - ``local``: DiLoCo-Nesterov, ``--dlion`` (the best 1-bit outer step) and SparseLoCo at each k
@@ -63,6 +65,7 @@ START = (-1, 0, 1)  # the grid points tried first (multiples of the ratio around
 SWEEP_CANDIDATES = ("dlion", "dlion-ef-decay-0.5", "dlion-ef-decay-0.7")
 SWEEP_H = (8, 32, 64)
 SWEEP_K = 4
+REFINE = (0.25, 0.125)  # the sweep's rule: c refined by factors 2^(1/4), then 2^(1/8)
 # grid centres (factors of 2 around them); D-Lion's outer steps: the sweep's rule (``--dlion-lr``)
 CENTRES = {
     "chars": {"adamw": 2e-3, "lion": 6e-4, "dlion-vote-binary": 6e-4, "dlion-vote-ternary": 6e-4,
@@ -189,9 +192,10 @@ def dlion_centre(method: str, H: int, rule: dict | None) -> float:
 
 def run_sweep(store, args):
     """Every candidate on the held-out seed (``tune``, sqrt 2 apart, two tried lrs on each side
-    of the best); the candidate and rule chosen there (``sweep_choices``), refined once by
-    factors of 2^(1/4) around the chosen c; then, for the chosen candidate and the plain step,
-    the reported seeds at each setting's best lr, its two neighbours and the rule's lr."""
+    of the best); the candidate and rule chosen there (``sweep_choices``), its c refined by
+    factors of 2^(1/4), then 2^(1/8) (``REFINE``); then, for the chosen candidate and the plain
+    step, the reported seeds at each setting's best lr, its two neighbours and the rule's
+    lr."""
     budgets = (args.steps // 4, args.steps)
     tuned = {}
     for method in args.candidates:
@@ -200,16 +204,18 @@ def run_sweep(store, args):
                 tuned[method, H, steps] = tune(
                     store, "chars", method, args.k, H, steps, dlion_centre(method, H, None),
                     ratio=math.sqrt(2), need_neighbours=2)
-    chosen = _ranked(sweep_choices(store, args), "all")[0]
-    plain = next(iter(_ranked([c for c in sweep_choices(store, args)
-                               if c["method"] == "dlion"], "own")), None)
-    for pick in [chosen] + ([plain] if plain else []):
-        for f in (2 ** -0.25, 2 ** 0.25):  # one finer step of c around the pick
-            rule = dict(pick["rule"], c=pick["rule"]["c"] * f)
-            for H in args.sync_every:
-                for steps in budgets:
-                    store.get(config("chars", pick["method"], args.k, H, rule_lr(rule, H),
-                                     args.tune_seed, steps))
+    for step in REFINE:  # finer steps of c around the picks, on the held-out seed
+        choices = sweep_choices(store, args)
+        chosen = _ranked(choices, "all")[0]
+        plain = next(iter(_ranked([c for c in choices if c["method"] == "dlion"], "own")),
+                     None)
+        for pick in [chosen] + ([plain] if plain else []):
+            for f in (2 ** -step, 2 ** step):
+                rule = dict(pick["rule"], c=pick["rule"]["c"] * f)
+                for H in args.sync_every:
+                    for steps in budgets:
+                        store.get(config("chars", pick["method"], args.k, H,
+                                         rule_lr(rule, H), args.tune_seed, steps))
     choices = sweep_choices(store, args)
     picks = [_ranked(choices, "all")[0]]
     plain = next(iter(_ranked([c for c in choices if c["method"] == "dlion"], "own")), None)
