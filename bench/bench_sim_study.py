@@ -432,20 +432,54 @@ def study_local(store, args, tasks, steps_of):
 # ----------------------------------------------------------------------------- summary
 
 
-def _picked(runs, tune_seed):
-    """{(task, method, k, H, steps): (lr picked on the held-out seed, [eval runs])}."""
+class _Recorded:
+    """The runs there are, to replay a study's tuning without running anything (KeyError
+    where the tuning would have needed a run that is not there)."""
+
+    def __init__(self, runs):
+        self.runs = {key(r): r for r in runs}
+
+    def get(self, cfg) -> dict:
+        return self.runs[key(cfg)]
+
+
+def _picked(runs, tune_seed, rule=None):
+    """{(task, method, k, H, steps): (lr picked on the held-out seed, [eval runs], [trials])}:
+    the lr the studies' tuning picks, replayed on the runs (``tune`` from the same centre, so
+    runs of other grids in the same folder, the sweep's, do not count); where it cannot be
+    replayed, the best of every run on the held-out seed."""
     tuned, out = {}, {}
+    recorded = _Recorded(runs)
     for r in runs:
         c = (r["task"], r["method"], r["k"], r["H"], r["steps"])
         if r["seed"] == tune_seed:
             tuned.setdefault(c, []).append(r)
     for c, trials in tuned.items():
-        ok = [t for t in trials if math.isfinite(t["val_loss"])] or trials
-        lr = min(ok, key=lambda t: t["val_loss"])["lr"]
+        task, method, k, H, steps = c
+        centre = dlion_centre(method, H, rule) if method.startswith("dlion-ef") or \
+            method == "dlion" else CENTRES.get(task, {}).get(method)
+        try:
+            lr, tried = tune(recorded, task, method, k, H, steps, centre, seed=tune_seed)
+            trials = list(tried.values())
+        except (KeyError, TypeError):
+            ok = [t for t in trials if math.isfinite(t["val_loss"])] or trials
+            lr = min(ok, key=lambda t: t["val_loss"])["lr"]
         ev = [r for r in runs if (r["task"], r["method"], r["k"], r["H"], r["steps"]) == c
               and r["lr"] == lr and r["seed"] != tune_seed]
         out[c] = (lr, sorted(ev, key=lambda r: r["seed"]), sorted(trials, key=lambda t: t["lr"]))
     return out
+
+
+def study_rule(inputs) -> tuple:
+    """(the 1-bit outer step, its lr rule) the local and budgets studies of these folders ran
+    with (their meta-*.json), or (None, None)."""
+    for folder in inputs:
+        for name in ("meta-local.json", "meta-budgets.json"):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                a = json.load(open(path))["args"]
+                return a.get("dlion"), a.get("dlion_rule")
+    return None, None
 
 
 def _bytes(method, k, numel, tensors, r):
@@ -455,9 +489,12 @@ def _bytes(method, k, numel, tensors, r):
     return r["bytes_per_sync"]
 
 
-def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None) -> str:
+def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None,
+              dlion: str = "dlion-ef-decay-0.5") -> str:
     """study.md, study.json and the plots of the runs in ``out_dir`` (or in the folders
-    ``inputs``: one study over several folders' runs.jsonl, each run once)."""
+    ``inputs``: one study over several folders' runs.jsonl, each run once): the per-step
+    methods, DiLoCo-Nesterov, SparseLoCo and ``dlion``, the studies' 1-bit outer step (the
+    sweep's other candidates are in its own report)."""
     runs = {}
     for folder in inputs or [out_dir]:
         with open(os.path.join(folder, "runs.jsonl")) as f:
@@ -466,9 +503,14 @@ def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None
                     r = json.loads(line)
                     runs[key(r)] = r
     runs = list(runs.values())
-    picked = _picked(runs, tune_seed)
+    ran_dlion, rule = study_rule(inputs or [out_dir])
+    dlion = ran_dlion or dlion
+    picked = _picked(runs, tune_seed, rule)
     rows = []
+    shown = set(sim_runs.PER_STEP) | {"nesterov", "sparseloco", dlion}
     for (task, method, k, H, steps), (lr, ev, trials) in sorted(picked.items()):
+        if method not in shown:
+            continue
         ev = [r for r in ev if r["seed"] in seeds]
         if not ev:
             continue
@@ -737,7 +779,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.study == "summarize":
         os.makedirs(args.dir, exist_ok=True)
-        print(summarize(args.dir, args.tune_seed, tuple(args.seeds), args.inputs))
+        print(summarize(args.dir, args.tune_seed, tuple(args.seeds), args.inputs, args.dlion))
         return
     args.out = common.results_dir(f"sim-{args.study}", args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -757,7 +799,7 @@ def main(argv=None):
     else:  # budgets: chars, a quarter and all of the study's budget
         full = args.steps or sim_tasks.TASKS["chars"].steps
         study_local(store, args, ["chars"], lambda t: [full // 4, full])
-    print(summarize(args.out, args.tune_seed, tuple(args.seeds)))
+    print(summarize(args.out, args.tune_seed, tuple(args.seeds), dlion=args.dlion))
 
 
 if __name__ == "__main__":
