@@ -443,7 +443,7 @@ class _Recorded:
         return self.runs[key(cfg)]
 
 
-def _picked(runs, tune_seed, rule=None):
+def _picked(runs, tune_seed, rules=None):
     """{(task, method, k, H, steps): (lr picked on the held-out seed, [eval runs], [trials])}:
     the lr the studies' tuning picks, replayed on the runs (``tune`` from the same centre, so
     runs of other grids in the same folder, the sweep's, do not count); where it cannot be
@@ -456,8 +456,8 @@ def _picked(runs, tune_seed, rule=None):
             tuned.setdefault(c, []).append(r)
     for c, trials in tuned.items():
         task, method, k, H, steps = c
-        centre = dlion_centre(method, H, rule) if method.startswith("dlion-ef") or \
-            method == "dlion" else CENTRES.get(task, {}).get(method)
+        centre = dlion_centre(method, H, (rules or {}).get(method)) \
+            if method.startswith("dlion") and H else CENTRES.get(task, {}).get(method)
         try:
             lr, tried = tune(recorded, task, method, k, H, steps, centre, seed=tune_seed)
             trials = list(tried.values())
@@ -470,16 +470,16 @@ def _picked(runs, tune_seed, rule=None):
     return out
 
 
-def study_rule(inputs) -> tuple:
-    """(the 1-bit outer step, its lr rule) the local and budgets studies of these folders ran
-    with (their meta-*.json), or (None, None)."""
+def study_rules(inputs) -> dict:
+    """{1-bit outer step: its lr rule} of the local and budgets studies of these folders (their
+    meta-local*.json and meta-budgets*.json)."""
+    out = {}
     for folder in inputs:
-        for name in ("meta-local.json", "meta-budgets.json"):
-            path = os.path.join(folder, name)
-            if os.path.exists(path):
-                a = json.load(open(path))["args"]
-                return a.get("dlion"), a.get("dlion_rule")
-    return None, None
+        for name in sorted(os.listdir(folder)):
+            if name.startswith(("meta-local", "meta-budgets")) and name.endswith(".json"):
+                a = json.load(open(os.path.join(folder, name)))["args"]
+                out[a["dlion"]] = a.get("dlion_rule")
+    return out
 
 
 def _bytes(method, k, numel, tensors, r):
@@ -493,8 +493,9 @@ def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None
               dlion: str = "dlion-ef-decay-0.5") -> str:
     """study.md, study.json and the plots of the runs in ``out_dir`` (or in the folders
     ``inputs``: one study over several folders' runs.jsonl, each run once): the per-step
-    methods, DiLoCo-Nesterov, SparseLoCo and ``dlion``, the studies' 1-bit outer step (the
-    sweep's other candidates are in its own report)."""
+    methods, DiLoCo-Nesterov, SparseLoCo and the 1-bit outer steps the local and budgets
+    studies ran (their meta files; else ``dlion``); the sweep's other candidates are in its
+    own report."""
     runs = {}
     for folder in inputs or [out_dir]:
         with open(os.path.join(folder, "runs.jsonl")) as f:
@@ -503,11 +504,10 @@ def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None
                     r = json.loads(line)
                     runs[key(r)] = r
     runs = list(runs.values())
-    ran_dlion, rule = study_rule(inputs or [out_dir])
-    dlion = ran_dlion or dlion
-    picked = _picked(runs, tune_seed, rule)
+    rules = study_rules(inputs or [out_dir]) or {dlion: None}
+    picked = _picked(runs, tune_seed, rules)
     rows = []
-    shown = set(sim_runs.PER_STEP) | {"nesterov", "sparseloco", dlion}
+    shown = set(sim_runs.PER_STEP) | {"nesterov", "sparseloco"} | set(rules)
     for (task, method, k, H, steps), (lr, ev, trials) in sorted(picked.items()):
         if method not in shown:
             continue
@@ -626,8 +626,8 @@ def targets(rows) -> list:
         # 2. the best outer step within 1% of Nesterov at every k and H
         local = [r for r in rows if r["task"] == task and r["H"] and r["method"].startswith(
             "dlion") and "vs_nesterov_pct" in r]
-        for steps in sorted({r["steps"] for r in local}):
-            sub = [r for r in local if r["steps"] == steps]
+        for steps, method in sorted({(r["steps"], r["method"]) for r in local}):
+            sub = [r for r in local if r["steps"] == steps and r["method"] == method]
             worst = max(sub, key=lambda r: r["vs_nesterov_pct"])
             ok = all(r["vs_nesterov_pct"] <= 1.0 for r in sub)
             cells = ", ".join(f"k={r['k']} H={r['H']}: {r['vs_nesterov_pct']:+.2f}%"
@@ -650,6 +650,7 @@ def targets(rows) -> list:
                     d["loss_mean"] <= sp["loss_mean"]
                 out.append(f"| {task} ({steps} steps) | k = 64, H = {H}: the vote sends fewer "
                            f"bytes per sync than SparseLoCo at equal or better loss | "
+                           f"{d['label']}: "
                            f"{d['bytes_per_sync']:,} vs {sp['bytes_per_sync']:,} bytes; loss "
                            f"{d['loss_mean']:.4f} vs {sp['loss_mean']:.4f} | "
                            f"{'met' if ok else 'not met'} |")
@@ -786,7 +787,9 @@ def main(argv=None):
     store = Store(args.out, args.device)
     meta = common.metadata(dict(study=args.study, args={k: v for k, v in vars(args).items()
                                                         if k != "out"}))
-    with open(os.path.join(args.out, f"meta-{args.study}.json"), "w") as f:
+    name = f"meta-{args.study}" + (f"-{args.dlion}" if args.study in ("local", "budgets")
+                                   else "")
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(meta, f, indent=1)
     if args.study == "sweep":
         run_sweep(store, args)
