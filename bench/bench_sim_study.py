@@ -692,8 +692,12 @@ def _plots(out_dir, rows, runs):
                             xs = [ev[0]["curve"][i][1] for i in range(n)]
                         ys = [statistics.fmean(x["curve"][i][2] for x in ev) for i in range(n)]
                         name = r["label"] + (f", H = {r['H']}" if r["H"] else "")
-                        ax.plot(xs, ys, "--" if r["method"] in K_FREE else "-", marker=".",
-                                label=name)
+                        methods = sorted({x["method"] for x in sub}, key=lambda m: _order(
+                            dict(method=m)))
+                        Hs = sorted({x["H"] for x in sub})
+                        style = "--" if r["method"] in K_FREE or Hs.index(r["H"]) % 2 else "-"
+                        ax.plot(xs, ys, style, marker=".", markersize=3, label=name,
+                                color=f"C{methods.index(r['method']) % 10}")
                     ax.set(xscale="log", xlabel="bytes sent per rank", title=f"k = {k}")
                     ax.grid(alpha=0.3)
                 axes[0][0].set_ylabel("validation loss (mean over seeds)")
