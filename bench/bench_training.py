@@ -7,7 +7,7 @@ every variant side by side, one after the other, on the same processes:
 
 Variants are strategies of ``dlion_kernels/strategies.py`` (``--variants``, ``--hier-variants``:
 slugs; the legacy variant keys in brackets are accepted too), built on each rank by
-``dlion_kernels/build/`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
+``dlion_kernels/recipes/`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
 ``bucket_mb``. By default:
 
 ======================================  ============================================================
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
             "veth",
             "torch's bf16_compress_hook refuses gloo (needs NCCL); lion-allreduce-bf16 runs the "
-            "same hook from dlion_kernels/build/baselines.py (cast to bf16, all_reduce, cast back)",
+            "same hook from dlion_kernels/recipes/baselines.py (cast to bf16, all_reduce, cast back)",
             f"uptime before: {up_before}; after: {up_now}",
         ]
         if not final:

@@ -91,6 +91,13 @@ def fsdp_unit_bytes(shard_elems: float, shard_param_bytes: float, ranks_per_node
     return intra, inter
 
 
+def gossip_bytes_per_step(numel: int, element_size: int, group_size: int) -> float:
+    """Bytes a rank sends per step for a ring all-reduce of ``numel`` elements of
+    ``element_size`` bytes in a group of ``group_size`` ranks (a gossip round, DiLoCo's
+    Nesterov sync)."""
+    return ring_all_reduce_bytes(group_size, numel * element_size)
+
+
 def ddp_all_reduce_bytes(ranks: int, numel: int, *, wire_bytes: int = 4,
                          ranks_per_node: int | None = None) -> tuple[int, int | None]:
     """(bytes sent, bytes sent to other nodes or None) per step of DDP's gradient all-reduce of

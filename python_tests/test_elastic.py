@@ -20,7 +20,7 @@ lines:
 - a restarted replica heals (its first step is at the survivors' step, with their parameters)
   and votes again (committed, up to all 3 replicas at the end);
 - bytes per step are the wire's figure for the step's participants: 2 (n-1)/n d/8 plus padding
-  for the vote, 2 (n-1)/n 4d for Nesterov's all-reduce.
+  for the vote, 2 (n-1)/n 4 (d + 2n) for Nesterov's all-reduce (its step words included).
 
 A replica that starts late (after the others' first quorum) heals the same way; the phases'
 starts often make one, but the test does not force it.
@@ -347,8 +347,9 @@ def _vote_bytes(n, d):
 
 
 def _allreduce_bytes(n, d):
-    """DiLoCo's Nesterov: a ring all-reduce of the fp32 pseudo-gradients, 2 (n-1)/n 4d."""
-    exact = round(2 * (n - 1) / n * 4 * d)
+    """DiLoCo's Nesterov: a ring all-reduce of the fp32 pseudo-gradients and every replica's
+    inner step (2 fp32 words each), 2 (n-1)/n 4 (d + 2n)."""
+    exact = round(2 * (n - 1) / n * 4 * (d + 2 * n))
     return exact, exact
 
 
@@ -406,15 +407,12 @@ def test_manager_is_checked_and_torchft_is_imported_only_with_one():
     manager._use_async_quorum = False
     with pytest.raises(ValueError, match="heal_momentum must be one of"):
         dk.DistributedLion(model.parameters(), manager=manager, heal_momentum="mine")
-    with pytest.raises(ValueError, match="overlap=True"):
-        dk.DistributedLion(model.parameters(), manager=manager, overlap=True)
-    with pytest.raises(ValueError, match="overlap_steps=0"):
-        dk.DiLoCo(model, inner, sync_every=4, overlap_steps=1, manager=manager)
-    with pytest.raises(ValueError, match="plain outer steps"):
-        dk.DiLoCo(model, inner, sync_every=4, outer="sparseloco", manager=manager)
-    with pytest.raises(ValueError, match="plain outer steps"):
-        dk.DiLoCo(model, inner, sync_every=4, manager=manager,
-                  outer_options=dk.DLionOuterOptions(error_feedback=True))
+    with pytest.raises(ValueError, match="pass group=None"):
+        dk.DistributedLion(model.parameters(), manager=manager, group=object())
+    with pytest.raises(ValueError, match='hierarchy="auto"'):
+        dk.DistributedLion(model.parameters(), manager=manager, hierarchy="auto")
+    with pytest.raises(ValueError, match="pass group=None"):
+        dk.DiLoCo(model, inner, sync_every=4, manager=manager, group=object())
     # without a manager torchft is never imported
     code = ("import sys, torch, dlion_kernels as dk; m = torch.nn.Linear(2, 2); "
             "dk.DistributedLion(m.parameters()); "

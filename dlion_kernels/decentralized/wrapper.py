@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..accounting import ring_all_reduce_bytes
+from ..accounting import gossip_bytes_per_step
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
 from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
 from ..exchange.groups import retire
@@ -405,9 +405,4 @@ class DecentralizedDataParallel(torch.nn.Module):
         self._handles = []
 
 
-def gossip_bytes_per_step(numel: int, element_size: int, group_size: int) -> float:
-    """Bytes a rank sends per step for a ring all-reduce of numel elements in its group."""
-    return ring_all_reduce_bytes(group_size, numel * element_size)
-
-
-__all__ = ["DecentralizedDataParallel", "gossip_bytes_per_step"]
+__all__ = ["DecentralizedDataParallel"]

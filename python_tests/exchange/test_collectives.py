@@ -167,7 +167,7 @@ def _probe_worker(rank, n, group, mode):
     """Group timeouts first (every rank), then one collective that the victim never joins."""
     import torch.distributed as dist
 
-    from dlion_kernels.build.groups import fsdp_mesh
+    from dlion_kernels.recipes.groups import fsdp_mesh
     from dlion_kernels.exchange import collectives
 
     mesh = fsdp_mesh(n, "cpu")  # the builders' FSDP2 mesh (one replica of n shards)
