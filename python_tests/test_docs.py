@@ -438,3 +438,58 @@ def test_fsdp_page_example_runs_on_a_2x2_mesh():
     assert all(identical for identical, _, _ in results)
     assert all(moved for _, moved, _ in results)
     assert all(sent > 0 for _, _, sent in results)
+
+
+# ----------------------------------------------------------------------------- every example runs
+
+
+def examples(pages=PAGES):
+    """(id, page, code) of every Python block that is not a fragment, in page order."""
+    out = []
+    for page in pages:
+        blocks = [code for lang, code, fragment in code_blocks(page.read_text())
+                  if lang == "python" and not fragment]
+        for i, code in enumerate(blocks):
+            out.append((f"{page.relative_to(ROOT).as_posix()}:{i}", page, code))
+    return out
+
+
+# run by a test of their own, on the mesh they describe
+OWN_TEST = {"docs/fsdp.md:0": "test_fsdp_page_example_runs_on_a_2x2_mesh",
+            "README.md:0": "test_readme_loop_trains_on_each_ranks_own_data"}
+EXAMPLES = [e for e in examples() if e[0] not in OWN_TEST]
+
+
+@pytest.mark.parametrize("name,page,code", EXAMPLES, ids=[e[0] for e in EXAMPLES])
+def test_example_runs(name, page, code):
+    """Each example as a script on 2 ranks (gloo, torchrun's environment; the elastic ones as 2
+    torchft replicas under a Lighthouse). Where it leaves a ``model`` trained with D-Lion, the
+    ranks hold the same weights; where it leaves a batch ``x``, each rank read its own."""
+    from doc_examples import run_example
+
+    replicas = "torchft" in code
+    facts = run_example(code, name, replicas=replicas)
+    if "model" in facts[0] and "DistributedLion" in code and not replicas:
+        assert all(f["model"] == facts[0]["model"] for f in facts), "ranks' weights differ"
+    if "x" in facts[0]:
+        assert len({f["x"] for f in facts}) == len(facts), "every rank read the same batch"
+
+
+def test_fragments_are_completed_on_their_page():
+    for page in PAGES:
+        blocks = [(fragment) for lang, _, fragment in code_blocks(page.read_text())
+                  if lang == "python"]
+        if any(blocks):
+            assert not all(blocks), f"{page.name}: fragments but no runnable example"
+
+
+def test_readme_loop_trains_on_each_ranks_own_data():
+    """The README's loop: bit-identical weights after training on different batches, with the
+    bytes of the 1-bit exchange."""
+    from doc_examples import run_example
+
+    name, _, code = next(e for e in EXAMPLES if e[0] == "README.md:0")
+    facts = run_example(code, name)
+    assert facts[0]["model"] == facts[1]["model"]
+    assert facts[0]["x"] != facts[1]["x"]
+    assert 0 < facts[0]["bytes_sent"] < 10_260 * 4 * 2 // 32 + 64
