@@ -493,3 +493,84 @@ def test_readme_loop_trains_on_each_ranks_own_data():
     assert facts[0]["model"] == facts[1]["model"]
     assert facts[0]["x"] != facts[1]["x"]
     assert 0 < facts[0]["bytes_sent"] < 10_260 * 4 * 2 // 32 + 64
+
+
+# ----------------------------------------------------------------------------- words of a log
+
+
+# In the prose of the docs and of the results folders' notes they link (not in code, where
+# round() and a test file's name may use these words): how a page was written, not what it
+# documents. A results folder's name is held to them as well.
+PROSE_WORDS = {
+    "a visit": r"(?i)\bvisit(?:s|ed)?\b",
+    "a round": r"(?i)\bround(?:[ _-]?\d+)?\b(?![ -]trip)",
+    "time ran out": r"(?i)\btime ran out\b",
+    "a verdict": r"(?i)\bverdicts?\b",
+    "a commit hash": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b",
+}
+NOTES = ("README.md", "NOTES.md", "NOTE.md")
+
+
+def prose_words(text: str) -> list[str]:
+    """Each PROSE_WORDS match in the prose of ``text`` and in the results folders it cites."""
+    found = []
+    body = prose(text)
+    for what, pattern in PROSE_WORDS.items():
+        for m in re.finditer(pattern, body):
+            line = body.count("\n", 0, m.start()) + 1
+            found.append(f"line {line}: {what} ({m.group(0)!r})")
+        for cited in sorted(m.group(0) for m in _PATH.finditer(text)):
+            if cited.startswith("bench/results/") and re.search(pattern, cited):
+                found.append(f"a results path: {what} ({cited!r})")
+    return sorted(set(found))
+
+
+def linked_notes(text: str, root: Path = ROOT) -> list[Path]:
+    """The notes (README.md, NOTES.md, NOTE.md) of every results folder ``text`` cites."""
+    folders = {m.group(0).split("/")[2] for m in _PATH.finditer(text)
+               if m.group(0).startswith("bench/results/") and m.group(0).count("/") >= 2}
+    folders |= {m.group(1).split("bench/results/")[1].split("/")[0]
+                for m in _LINK.finditer(text) if "bench/results/" in m.group(1)}
+    return sorted(root / "bench" / "results" / f / name for f in folders for name in NOTES
+                  if (root / "bench" / "results" / f / name).is_file())
+
+
+def test_no_log_words_in_prose(page):
+    assert prose_words(page.read_text()) == []
+
+
+NOTE_FILES = sorted({n for p in PAGES for n in linked_notes(p.read_text())})
+
+
+@pytest.mark.parametrize("path", NOTE_FILES, ids=[p.relative_to(ROOT).as_posix() for p in NOTE_FILES])
+def test_no_log_words_in_linked_results_notes(path):
+    assert prose_words(path.read_text()) == []
+
+
+def test_log_words_are_caught():
+    text = ("After the visit, round 2 and the round1 keys; time ran out; Verdicts on the targets;\n"
+            "fixed at commit 70f7a32 (dd25f0a1b2). `round(x)` and `bench/results/plan-x/`.\n")
+    found = prose_words(text)
+    assert [f.split(": ", 1)[1].split(" (")[0] for f in found].count("a commit hash") == 2, found
+    assert len(found) == 7, found
+    fine = ("a round trip, rounded, 3 rounds, the rounding; decade, 1234567, 2e-10, a facade;\n"
+            "`bench/gpu_visit.sh`, `python_tests/optim/test_dlion_deferred_verdict.py`\n")
+    assert prose_words(fine) == []
+    assert prose_words("see `bench/results/plan-network-round1/`") == [
+        "a results path: a round ('bench/results/plan-network-round1/')"]
+
+
+# ----------------------------------------------------------------------------- generated tables
+
+
+def test_results_tables_match_their_json():
+    """Every table between ``<!-- table: NAME -->`` and ``<!-- /table -->`` is what
+    ``bench/docs_tables.py`` makes from its results folder now."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import docs_tables
+
+    assert docs_tables.stale() == []
+    named = {m.group(2) for p in PAGES for m in docs_tables.BLOCK.finditer(p.read_text())}
+    assert named == set(docs_tables.TABLES), "a generator no page uses, or the reverse"
