@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -211,6 +212,16 @@ def summarize(runs, args) -> dict:
     check = [r for r in runs if r["phase"] == "check"]
     a_check = [r["loss"] for r in check if r["opt"] == "adamw"]
     out["adamw_check_loss"] = statistics.mean(a_check) if a_check else None
+    lr_a = adamw["lr"]
+
+    def on_grid(r):  # runs at lr = lr_a / r (an earlier AdamW grid may have had another best)
+        return r["r"] is not None and math.isclose(r["lr"], lr_a / r["r"], rel_tol=1e-6)
+
+    tune = [r for r in tune if r["opt"] == "adamw" or on_grid(r)]
+    check = [r for r in check if r["opt"] == "adamw" and r["lr"] == lr_a or
+             r["opt"] != "adamw" and on_grid(r)]
+    a_check = [r["loss"] for r in check if r["opt"] == "adamw"]
+    out["adamw_check_loss"] = statistics.mean(a_check) if a_check else None
     for key, label, _, _ in LION_FAMILY:
         rows = sorted((r for r in tune if r["opt"] == key and r["variant"] == "scaled"),
                       key=lambda r: r["r"])
@@ -282,14 +293,19 @@ def main(argv=None):
     print(f"AdamW's best lr on seed {s}: {lr_a:g}", flush=True)
     runs = run([_cfg("tune", s, key, lr_a / r, wd0 * r, r) for r in args.ratios
                 for key, *_ in LION_FAMILY])
-    best_v = best_of(runs, phase="tune", opt="dlion-vote", variant="scaled")
+    best_v = min((r for r in runs if r["phase"] == "tune" and r["opt"] == "dlion-vote" and
+                  r["variant"] == "scaled" and r["r"] in args.ratios and
+                  math.isclose(r["lr"], lr_a / r["r"], rel_tol=1e-6)), key=lambda r: r["loss"])
     runs = run([_cfg("tune", s, "dlion-vote", best_v["lr"], wd0, best_v["r"], "wd-unscaled"),
                 _cfg("tune", s, "dlion-vote", best_v["lr"], 0.0, best_v["r"], "wd-zero")])
     checks = []
     for seed in args.check_seeds:
         checks.append(_cfg("check", seed, "adamw", lr_a, wd0))
         for key, *_ in LION_FAMILY:
-            best = best_of(runs, phase="tune", opt=key, variant="scaled")
+            best = min((r for r in runs if r["phase"] == "tune" and r["opt"] == key and
+                        r["variant"] == "scaled" and r["r"] in args.ratios and
+                        math.isclose(r["lr"], lr_a / r["r"], rel_tol=1e-6)),
+                       key=lambda r: r["loss"])
             for r in neighbours(best["r"], sorted(args.ratios)):
                 checks.append(_cfg("check", seed, key, lr_a / r, wd0 * r, r))
     runs = run(checks)

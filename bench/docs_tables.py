@@ -181,7 +181,7 @@ def plan_example() -> str:
 
 # Three clusters for "when not to use the library" (docs/settings.md): GPT-2 1.3B, 8192 tokens
 # per GPU and step at 40% of the GPU's dense bf16 peak (bench/bench_plan.py --clusters's inputs)
-VERDICT_CLUSTERS = [
+CHOICE_CLUSTERS = [
     ("4 nodes x 8 H100, NVLink, 8 x 400 Gbit/s InfiniBand",
      ["--ranks", "32", "--ranks-per-node", "8", "--inter-gbps", "3200", "--intra-gbps", "3600",
       "--latency-us", "8", "--fwd-ms", "53.8", "--bwd-ms", "107.7", "--mem-gbs", "3000"]),
@@ -194,9 +194,9 @@ VERDICT_CLUSTERS = [
 ]
 
 
-def plan_verdicts() -> str:
+def when_not_to_use() -> str:
     rows = []
-    for name, argv in VERDICT_CLUSTERS:
+    for name, argv in CHOICE_CLUSTERS:
         out = _plan(["--params", "1.3B", *argv])
         steps = {r["strategy"]: r["step_ms"] for r in out["rows"]}
         best = out["best"]
@@ -279,7 +279,7 @@ TABLES = {
     "diloco-wallclock": diloco_wallclock,
     "chars-demo": chars_demo,
     "plan-example": plan_example,
-    "plan-verdicts": plan_verdicts,
+    "when-not-to-use": when_not_to_use,
     "plan-clusters": plan_clusters,
     "settings-digits": settings_digits,
     "settings-chars": settings_chars,

@@ -90,10 +90,17 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+# A file being renamed on another branch: the docs cite the new name; either name passes until
+# both branches are in (then drop the entry).
+RENAMING = {"bench/gpu_run.sh": "bench/gpu_visit.sh"}
+
+
 def path_problems(text: str, root: Path = ROOT) -> list[str]:
     """Check 3."""
     problems = []
     for cited in sorted({m.group(0).rstrip(".,;:") for m in _PATH.finditer(text)}):
+        if cited in RENAMING and not (root / cited).exists() and root == ROOT:
+            cited = RENAMING[cited]
         pattern = re.sub(r"<[^<>/]*>", "*", cited)
         if "<" in pattern or ">" in pattern:
             problems.append(f"path {cited!r}: unbalanced <placeholder>")
@@ -488,11 +495,12 @@ def test_readme_loop_trains_on_each_ranks_own_data():
     bytes of the 1-bit exchange."""
     from doc_examples import run_example
 
-    name, _, code = next(e for e in EXAMPLES if e[0] == "README.md:0")
+    name, _, code = next(e for e in examples() if e[0] == "README.md:0")
     facts = run_example(code, name)
     assert facts[0]["model"] == facts[1]["model"]
     assert facts[0]["x"] != facts[1]["x"]
-    assert 0 < facts[0]["bytes_sent"] < 10_260 * 4 * 2 // 32 + 64
+    # vote/binary on 2 ranks: about 2 (n-1)/n d/8 bytes, 1/32 of the fp32 all-reduce's 4d
+    assert 0 < facts[0]["bytes_sent"] * 30 < 10_250 * 4
 
 
 # ----------------------------------------------------------------------------- words of a log
