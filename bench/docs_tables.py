@@ -272,12 +272,127 @@ def settings_chars() -> str:
     return _settings("chars")
 
 
+def chars_elastic() -> str:
+    rep = _json("chars-elastic-20261127", "chars_elastic.json")["report"]
+    rows = []
+    for point in rep["curve"]:
+        note = ""
+        if point["step"] == rep["kill_at"]:
+            note = f" (replica {rep['kill_replica']} killed in step {rep['kill_at']})"
+        elif point["step"] == rep["restart_at"]:
+            note = f" (replica {rep['kill_replica']} restarted)"
+        rows.append((point["step"], f"{point['n']}{note}", f"{point['val_loss']:.4f}"))
+    return markdown(["step", "participants", "validation loss (replica 0)"], rows)
+
+
+def diloco_quality() -> str:
+    rows = _json("diloco-chars-20261125-174804", "quality.json")["rows"]
+    out = []
+    for r in rows:
+        out.append((r["label"], f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f}",
+                    f"{r['bytes_per_step']:,.0f}"))
+    return markdown(["strategy", "validation loss", "bytes / rank / inner step"], out)
+
+
+TORCHFT_LABELS = {"dk-nesterov": '`dk.DiLoCo(outer="nesterov")`',
+                  "torchft-nesterov": "torchft DiLoCo (SGD nesterov, lr 0.7, mu 0.9)",
+                  "dk-dlion-vote": '`dk.DiLoCo(outer="dlion")` (vote/binary, lr 1e-2)'}
+
+
+def diloco_torchft() -> str:
+    rows = _json("diloco-torchft-20261125-150523", "diloco_torchft.json")["summary"]
+    return markdown(["variant", "validation loss", "bytes / sync / rank", "inner step (ms)",
+                     "sync, extra (ms)"],
+                    [(TORCHFT_LABELS.get(r["variant"], r["variant"]), f"{r['val_loss']:.4f}",
+                      f"{r['bytes_per_sync']:,.0f}",
+                      f"{r['inner_step_ms']:.1f} ({r['inner_step_ms_spread']})",
+                      f"{r['sync_ms']:.1f} ({r['sync_ms_spread']})") for r in rows])
+
+
+def _ms(v):
+    return f"{v:.1f} ms" if v < 100 else f"{v:.0f} ms"
+
+
+def hierarchy_gather() -> str:
+    rows = _json("hierarchy-gather-20261123", "hierarchy_gather.json")["rows"]
+    keys = sorted({(r["L"], r["d"], r["dtype"]) for r in rows},
+                  key=lambda k: (k[0], k[1], k[2] != "fp32"))
+    out = []
+    for L, d, dtype in keys:
+        ms = {r["variant"]: r["ms"] for r in rows if (r["L"], r["d"], r["dtype"]) == (L, d, dtype)}
+        out.append((L, f"{d >> 20}M", dtype, _ms(ms["aggregate"]), _ms(ms["params"])))
+    return markdown(["L", "d", "dtype", "gather aggregate + apply all",
+                     "apply shard + gather params"], out)
+
+
+def resize() -> str:
+    rows = _json("resize-20261123-131311", "resize.json")["rows"]
+    rules = [("mean", "mean (the rule)"), ("rank0", "rank 0's state everywhere"),
+             ("zero", "no state (momentum 0)")]
+    out = []
+    for n in sorted({r["n_new"] for r in rows}, key=lambda n: (n != 4, n)):
+        cells = []
+        for rule, _ in rules:
+            r = next((r for r in rows if r["n_new"] == n and r["rule"] == rule), None)
+            cells.append("-" if r is None else f"{r['loss_first']:.4f} ({r['loss_first_max']:.3f})"
+                         f" -> {r['loss_last']:.4f}")
+        out.append((f"{n} (exact resume)" if n == 4 else n, *cells))
+    return markdown(["4 -> n", *[label for _, label in rules]], out)
+
+
+SOAKS = [("`DistributedLion`", "soak-20261123-131151"),
+         ("decentralized (ring, AccumAdamW)", "soak-decentralized-20261123")]
+
+
+def soak() -> str:
+    out = []
+    for label, folder in SOAKS:
+        rows = _json(folder, "soak.json")["rows"]
+        growth = [r["rss_kb_growth_pct"] for r in rows]
+        fds = {(r["fds_warm"], r["fds_end"]) for r in rows}
+        threads = {(r["threads_warm"], r["threads_end"]) for r in rows}
+        cell = f"+{min(growth):.2f} to +{max(growth):.2f}%"
+        out.append((label, f"`bench/results/{folder}/`",
+                     ", ".join(f"{a} -> {b}" for a, b in sorted(fds)),
+                     ", ".join(f"{a} -> {b}" for a, b in sorted(threads)), cell,
+                     "within 1%" if max(growth) <= 1.0 else "**above 1%**"))
+    return markdown(["run", "results", "open fds", "threads", "resident memory growth",
+                     "against 1%"], out)
+
+
+def training_steps() -> str:
+    """Whole steps, flat layouts (results.md): the slowest rank's median step, ms."""
+    rows = [r for r in _json("training-20261123-2105", "bench_training.json")["rows"]
+            if r["layout"] == "flat" and r["sweep"] == "main" and r["jitter_ms"] == 0
+            and r["status"] == "ok"]
+    out = []
+    for rate, n in sorted({(r["rate_gbps"], r["n"]) for r in rows}):
+        v = {r["variant"]: r for r in rows if (r["rate_gbps"], r["n"]) == (rate, n)}
+        step = {k: r["step_ms_slowest_rank"] for k, r in v.items()}
+        ratios = [step["ddp_fp32"] / step[k] for k in ("dlion", "dlion_overlap")]
+        lo, hi = min(ratios), max(ratios)
+        ratio = f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}x"
+        out.append((f"{rate:g}", n, f"{step['no_comm']:.0f} / {v['no_comm']['step_ms_median']:.0f}",
+                    *(f"{step[k]:.0f}" for k in ("ddp_fp32", "ddp_bf16", "dlion",
+                                                 "dlion_overlap", "dlion_ddp_hook")),
+                    f"**{ratio}**" if rate == 1 else ratio))
+    return markdown(["Gbit/s", "n", "no comm (slowest / median rank)", "DDP fp32", "DDP bf16",
+                     "D-Lion", "D-Lion overlap", "D-Lion DDP hook", "DDP fp32 / D-Lion"], out)
+
+
 TABLES = {
     "heal-momentum": heal_momentum,
     "elastic-1gbit": elastic_1gbit,
     "elastic-100mbit": elastic_100mbit,
     "diloco-wallclock": diloco_wallclock,
     "chars-demo": chars_demo,
+    "training-steps": training_steps,
+    "chars-elastic": chars_elastic,
+    "diloco-quality": diloco_quality,
+    "diloco-torchft": diloco_torchft,
+    "hierarchy-gather": hierarchy_gather,
+    "resize": resize,
+    "soak": soak,
     "plan-example": plan_example,
     "when-not-to-use": when_not_to_use,
     "plan-clusters": plan_clusters,
