@@ -243,7 +243,7 @@ def _settings(task) -> str:
     score = "test loss" if task == "digits" else "validation loss"
     rows = [(f"AdamW + fp32 all-reduce, lr {s['adamw_best_lr']:g}, wd {s['adamw_wd']:g}",
              *[""] * len(ratios), f"{s['adamw_tune_loss']:.4f}", "-",
-             f"{s['adamw_check_loss']:.4f}")]
+             f"{s['adamw_check_loss']:.4f}", "-")]
     for o in s["optimizers"].values():
         cells = []
         for r in ratios:
@@ -257,11 +257,13 @@ def _settings(task) -> str:
                                          o["check_mean_by_r"].get(str(o["best_r"])))
         rows.append((o["label"], *cells, f"{o['tune_loss']:.4f}",
                      f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}",
-                     "-" if check is None else f"{check:.4f}"))
+                     "-" if check is None else f"{check:.4f}",
+                     "-" if o["check_best_r"] is None else f"{o['check_best_r']:g}"))
+    seeds = " and ".join(map(str, s["check_seeds"]))
     return markdown([f"{score} ({task}; r: lr = AdamW's / r, wd = AdamW's x r)",
                      *[f"r = {r:g}" for r in ratios], "best, tuning seed",
                      f"r within {100 * s['within']:g}% of the best",
-                     f"best r, seeds {' '.join(map(str, s['check_seeds']))} (mean)"], rows)
+                     f"seeds {seeds}: at the tuned r (mean)", f"seeds {seeds}: best r"], rows)
 
 
 def settings_digits() -> str:
