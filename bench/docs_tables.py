@@ -382,6 +382,26 @@ def training_steps() -> str:
                      "D-Lion", "D-Lion overlap", "D-Lion DDP hook", "DDP fp32 / D-Lion"], out)
 
 
+OUTER_LRS = ["3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1"]
+
+
+def diloco_outer_lr() -> str:
+    folder = os.path.join(RESULTS, "diloco-outer-lr-20261125")
+    out = []
+    for H, steps in ((8, 96), (32, 128)):
+        loss = {}
+        for lr in OUTER_LRS + ["nest"]:
+            path = os.path.join(folder, f"H{H}-lr-{lr}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    loss[lr] = json.load(f)["summary"][0]["val_loss"]
+        best = min(loss[lr] for lr in OUTER_LRS if lr in loss)
+        cells = ["-" if lr not in loss else (f"**{loss[lr]:.3f}**" if loss[lr] == best
+                                              else f"{loss[lr]:.3f}") for lr in OUTER_LRS]
+        out.append((f"{H} ({steps})", *cells, f"{loss['nest']:.3f}"))
+    return markdown(["H (inner steps)", *OUTER_LRS, "Nesterov (lr 0.7)"], out)
+
+
 TABLES = {
     "heal-momentum": heal_momentum,
     "elastic-1gbit": elastic_1gbit,
@@ -391,6 +411,7 @@ TABLES = {
     "training-steps": training_steps,
     "chars-elastic": chars_elastic,
     "diloco-quality": diloco_quality,
+    "diloco-outer-lr": diloco_outer_lr,
     "diloco-torchft": diloco_torchft,
     "hierarchy-gather": hierarchy_gather,
     "resize": resize,
