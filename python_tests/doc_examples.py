@@ -60,10 +60,12 @@ def _facts(scope: dict) -> dict:
     stats = getattr(opt, "last_stats", None)
     if stats is not None and hasattr(stats, "bytes_sent"):
         facts["bytes_sent"] = stats.bytes_sent
+        facts["inter_node_bytes_sent"] = getattr(stats, "inter_node_bytes_sent", None)
+        facts["skipped"] = stats.skipped
     return facts
 
 
-def _example(rank, n, code, name, port, folder, env, out, replica):
+def _example(rank, n, code, name, port, folder, env, out, replica, per_node):
     """One rank of one example; leaves ``("ok", facts)`` or ``("error", traceback)``. With
     ``replica`` every rank is a torchft replica of its own: a one-process torchrun job (its own
     store, which torchrun's agent would host) with ``REPLICA`` = its number."""
@@ -73,8 +75,10 @@ def _example(rank, n, code, name, port, folder, env, out, replica):
         if replica:
             os.environ["REPLICA"] = str(rank)
             rank, n, port = 0, 1, port + rank
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
-                          LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", ROLE_RANK=str(rank),
+        per_node = per_node or n
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(n),
+                          LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node),
+                          ROLE_RANK=str(rank),
                           ROLE_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         os.chdir(folder)
@@ -97,9 +101,9 @@ def _example(rank, n, code, name, port, folder, env, out, replica):
 
 
 def run_example(code: str, name: str, n: int = 2, env: dict | None = None,
-                replicas: bool = False) -> list[dict]:
-    """The example on n ranks (``replicas``: n torchft replicas of one rank each, under a
-    Lighthouse started here); its facts per rank. AssertionError with every failed rank's
+                replicas: bool = False, per_node: int | None = None) -> list[dict]:
+    """The example on n ranks in nodes of ``per_node`` (default: one node of n; ``replicas``: n
+    torchft replicas of one rank each, under a Lighthouse started here); its facts per rank. AssertionError with every failed rank's
     traceback when it raised anywhere (the other ranks are killed at once), or when a rank
     left nothing within ``TIMEOUT_S``."""
     env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
@@ -110,13 +114,13 @@ def run_example(code: str, name: str, n: int = 2, env: dict | None = None,
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=10000)
         env.update(TORCHFT_LIGHTHOUSE=lighthouse.address())
     try:
-        return _run(code, name, n, env, replicas)
+        return _run(code, name, n, env, replicas, per_node)
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
 
 
-def _run(code, name, n, env, replicas):
+def _run(code, name, n, env, replicas, per_node):
     with tempfile.TemporaryDirectory() as folder:
         outs = [os.path.join(folder, f".rank{r}.result") for r in range(n)]
 
@@ -132,7 +136,7 @@ def _run(code, name, n, env, replicas):
                 port = free_port()
         start = time.monotonic()
         codes = rankserver.run_bare(n, _run_rank, code, name, port, folder, env, outs, replicas,
-                                    done=finished, deadline=TIMEOUT_S)
+                                    per_node, done=finished, deadline=TIMEOUT_S)
         results = [_load(o) if os.path.exists(o) else None for o in outs]
     problems = []
     for r, res in enumerate(results):
@@ -146,8 +150,8 @@ def _run(code, name, n, env, replicas):
     return [res[1] for res in results]
 
 
-def _run_rank(rank, n, code, name, port, folder, env, outs, replicas):
-    _example(rank, n, code, name, port, folder, env, outs[rank], replicas)
+def _run_rank(rank, n, code, name, port, folder, env, outs, replicas, per_node):
+    _example(rank, n, code, name, port, folder, env, outs[rank], replicas, per_node)
 
 
 def _port_free(port) -> bool:

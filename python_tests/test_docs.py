@@ -398,53 +398,19 @@ def test_slugs_follow_github():
 # ----------------------------------------------------------------------------- the FSDP2 example
 
 
-def _fsdp_example(rank, n, code):
-    """Rank ``rank`` of a 2 x 2 mesh runs the page's script as torchrun would; returns whether
-    the replicas of each of its shards are bit-identical, whether every shard moved, and the
-    step's bytes between nodes."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    import dlion_kernels as dk
-    from dlion_kernels.exchange import sharded
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank % 2),
-                      LOCAL_WORLD_SIZE="2")
-    initial = []
-
-    class Recording(dk.DistributedLion):  # the shards as the optimizer first sees them
-        def __init__(self, params, **kwargs):
-            params = list(params)
-            initial.extend(sharded.own_shard(p).detach().clone() for p in params)
-            super().__init__(params, **kwargs)
-
-    dk.DistributedLion = Recording
-    scope = {"__name__": "__main__"}
-    exec(compile(code, "docs/fsdp.md", "exec"), scope)
-    model, mesh, opt = scope["model"], scope["mesh"], scope["opt"]
-    identical = moved = True
-    for p, first in zip(model.parameters(), initial, strict=True):
-        mine = sharded.own_shard(p).detach().contiguous()
-        got = [torch.empty_like(mine) for _ in range(mesh.size(0))]
-        dist.all_gather(got, mine, group=mesh["replicate"].get_group())
-        identical &= all(torch.equal(g, mine) for g in got)
-        moved &= mine.numel() == 0 or not torch.equal(mine, first)
-    return identical, moved, opt.last_stats.inter_node_bytes_sent
-
-
 def test_fsdp_page_example_runs_on_a_2x2_mesh():
-    """The FSDP2 page's script, taken from the page itself, trains on 4 gloo processes."""
-    from workers import run_workers
+    """The FSDP2 page's script, taken from the page itself, trains on 4 gloo processes in 2
+    nodes of 2: the replicas of each shard end bit-identical, and the votes crossed nodes."""
+    from doc_examples import run_example
 
     text = (ROOT / "docs" / "fsdp.md").read_text()
     code = next(c for lang, c, fragment in code_blocks(text) if lang == "python" and not fragment)
     assert "fully_shard" in code and "device_mesh=mesh" in code
-    results = run_workers(4, _fsdp_example, code)
-    assert all(identical for identical, _, _ in results)
-    assert all(moved for _, moved, _ in results)
-    assert all(sent > 0 for _, _, sent in results)
+    facts = run_example(code, "docs/fsdp.md:0", n=4, per_node=2)
+    # ranks r and r + 2 hold the same shard (the mesh's replicate dimension)
+    assert facts[0]["model"] == facts[2]["model"] and facts[1]["model"] == facts[3]["model"]
+    assert facts[0]["model"] != facts[1]["model"]
+    assert all(f["inter_node_bytes_sent"] > 0 and not f["skipped"] for f in facts)
 
 
 # ----------------------------------------------------------------------------- every example runs
