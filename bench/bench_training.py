@@ -72,6 +72,7 @@ import common  # noqa: E402
 import network  # noqa: E402
 
 from dlion_kernels import strategies  # noqa: E402
+from dlion_kernels.accounting import BUCKET_MB  # noqa: E402
 
 WORKER = os.path.join(common.BENCH_DIR, "training_worker.py")  # one rank of a configuration
 
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="8,16,32,64,128",
                     help="batch sweep (flat n = --sweep-n, every rate)")
     ap.add_argument("--sweep-n", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
     ap.add_argument("--bucket-mbs", default="2,8,16,32,100",
                     help="bucket_mb sweep (flat n = --sweep-n, --bucket-sweep-rates)")
     ap.add_argument("--bucket-sweep-rates", type=float, nargs="+", default=[1.0])

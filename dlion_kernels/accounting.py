@@ -32,6 +32,11 @@ import math
 _F32, _BIT = 4, 1 / 8
 
 
+# Bucket size, MiB: DDP's default, which D-Lion's overlap buckets, the gossip buckets and the
+# runtime model follow (one number for all of them)
+BUCKET_MB = 25.0
+
+
 def local_step_bytes(grad_bytes: float = _F32) -> float:
     """The local step, per element: g (``grad_bytes``) and m read, the vote bit written."""
     return grad_bytes + _F32 + _BIT

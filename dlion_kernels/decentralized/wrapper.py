@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..accounting import gossip_bytes_per_step
+from ..accounting import BUCKET_MB, gossip_bytes_per_step
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
 from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
 from ..exchange.groups import retire
@@ -106,7 +106,7 @@ class DecentralizedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         optimizer_fn: Callable,
         topology: str = "complete",
-        bucket_mb: float = 25.0,
+        bucket_mb: float = BUCKET_MB,
         group=None,
         lr_scheduler_fn: Callable | None = None,
         *,

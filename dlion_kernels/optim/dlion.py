@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import elastic
+from ..accounting import BUCKET_MB
 from ..elastic import DEFAULT_HEAL_MOMENTUM
 from ..exchange import agree, sharded
 from ..exchange import hierarchy as hier
@@ -148,7 +149,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         backend: str | None = None,
         nonfinite: str = "raise",
         overlap: bool = False,
-        bucket_mb: float = 25.0,
+        bucket_mb: float = BUCKET_MB,
         foreach: bool | None = None,
         fused: bool | None = None,
         capturable: bool | None = None,

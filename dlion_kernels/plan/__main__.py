@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from ..accounting import BUCKET_MB
 from ..topologies import TOPOLOGIES
 from .model import (
     ALGORITHMS,
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default) or normal with sigma = jitter")
     p.add_argument("--cpu-gbs", type=float, help="host processing rate per rank, GB/s, for "
                    "the bytes a collective sends or sums (default: free, as with NCCL/RDMA)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, MB (25)")
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                   help=f"bucket size, MB ({BUCKET_MB:g})")
     p.add_argument("--tensors", type=int, default=1, help="tensor count, for padding (1)")
     p.add_argument("--grad-dtype", default="fp32", help="gradient dtype (fp32)")
     p.add_argument("--param-dtype", default="fp32", help="parameter dtype (fp32)")

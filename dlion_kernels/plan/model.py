@@ -104,6 +104,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ..accounting import (
+    BUCKET_MB,
     LOCAL_STEP_BYTES,
     STEP_BYTES,
     X_ONLY_APPLY_BYTES,
@@ -753,7 +754,7 @@ def _dtype_bytes(value, name):
 
 def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, latency_us=30.0,
             intra_latency_us=None, fwd_ms, bwd_ms, opt_ms=None, mem_gbs=1000.0, jitter_ms=0.0,
-            jitter_dist="uniform", bucket_mb=25.0, tensors=1, grad_dtype="fp32",
+            jitter_dist="uniform", bucket_mb=BUCKET_MB, tensors=1, grad_dtype="fp32",
             param_dtype="fp32", gossip_dtype="fp32", algorithm="auto", modes=("vote",),
             topologies=None, strategies=None, calibration=None, cpu_gbs=None,
             hier_gather="aggregate", sync_every=8, fragments=1, overlap_steps=0) -> list[Row]:
