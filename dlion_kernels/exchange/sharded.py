@@ -167,7 +167,8 @@ def mesh_group(sharding: Sharding, step, timeout=None):
 
     def make():
         made = []
-        collective(MESH_GROUP, step, lambda: made.append(
+        # (no Work to wait for: making the group is the collective)
+        collective(MESH_GROUP, step, lambda async_op: made.append(
             new_group(ranks, timeout, use_local_synchronization=local_only)))
         return made[0]
 
