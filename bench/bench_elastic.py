@@ -472,6 +472,31 @@ def measure(variant, records, go_t, args) -> dict:
         return out
 
     three, two = intervals(3), intervals(2)
+    # the 3-replica steps apart: before the kill, and after the restarted replica's first
+    # committed step (its process new, its state healed)
+    kill_i = next((i for i, r in enumerate(r0) if not r["committed"]), len(r0))
+    healed_t = None if go_t is None else next(
+        (r["t"] for r in records[VICTIM] if r.get("committed") and r["t"] >= go_t), None)
+
+    def phase(rs):
+        return [b["t"] - a["t"] for a, b in zip(rs, rs[1:])
+                if a["committed"] and b["committed"] and a["n"] == b["n"] == 3
+                and a["step"] >= args.warmup]
+
+    before = phase(r0[:kill_i])
+    after_heal = [] if healed_t is None else phase([r for r in r0 if r["t"] >= healed_t])
+
+    def split(rs, key):
+        vals = [r[key] for r in rs if key in r and r["committed"] and r["n"] == 3]
+        return statistics.median(vals) if vals else None
+
+    healed_rs = [] if healed_t is None else [r for r in r0 if r["t"] >= healed_t]
+    phases = dict(
+        ms_per_step_3_before=1e3 * statistics.median(before) if before else None,
+        ms_per_step_3_after_heal=1e3 * statistics.median(after_heal) if after_heal else None,
+        intervals_3_before=len(before), intervals_3_after_heal=len(after_heal),
+        **{f"{k}_before": split(r0[:kill_i], k) for k in ("quorum_ms", "compute_ms", "step_ms")},
+        **{f"{k}_after_heal": split(healed_rs, k) for k in ("quorum_ms", "compute_ms", "step_ms")})
     # where rank 0's 3-replica steps go: the quorum (zero_grad) and the exchange with the commit
     # decision (step); the rest is forward, backward and the records
     settled = [r for r in r0 if r["committed"] and r["n"] == 3 and r["step"] >= args.warmup]
@@ -496,7 +521,7 @@ def measure(variant, records, go_t, args) -> dict:
                 heal_s=None if first is None else first["t"] - go_t,
                 ready_s=None if ready is None else ready - go_t,
                 first_vote_step=None if first is None else first["step"],
-                bytes_per_step_3=sent.get(3), bytes_per_step_2=sent.get(2),
+                bytes_per_step_3=sent.get(3), bytes_per_step_2=sent.get(2), **phases,
                 wall_s=(r0[-1]["t"] - r0[0]["t"]) if r0 else None,
                 curve=[(r["t"] - r0[0]["t"], r["step"], r["n"], r["committed"]) for r in r0])
 
@@ -523,6 +548,10 @@ def summarize(rows) -> list[dict]:
             out.append(dict(rate_gbps=rate, variant=variant, runs=len(rs),
                             ms_per_step_3=med("ms_per_step_3"),
                             ms_per_step_2=med("ms_per_step_2"),
+                            ms_per_step_3_before=med("ms_per_step_3_before"),
+                            ms_per_step_3_after_heal=med("ms_per_step_3_after_heal"),
+                            **{f"{k}_{p}": med(f"{k}_{p}") for p in ("before", "after_heal")
+                               for k in ("quorum_ms", "compute_ms", "step_ms")},
                             quorum_ms_3=med("quorum_ms_3"), compute_ms_3=med("compute_ms_3"),
                             step_call_ms_3=med("step_call_ms_3"),
                             steps_lost=max((r["steps_lost"] for r in rs
@@ -573,6 +602,8 @@ def report(summary) -> str:
 COLUMNS = [("rate_gbps", "Gbit/s"), ("variant", "variant"), ("runs", "runs"),
            ("ms_per_step_3", "ms / committed step, 3 replicas", ".0f"),
            ("ms_per_step_2", "ms / committed step, 2 survivors", ".0f"),
+           ("ms_per_step_3_before", "3 replicas before the kill", ".0f"),
+           ("ms_per_step_3_after_heal", "3 replicas after the heal", ".0f"),
            ("quorum_ms_3", "quorum, 3 replicas (ms)", ".0f"),
            ("compute_ms_3", "forward and backward (ms)", ".0f"),
            ("step_call_ms_3", "step() (ms)", ".0f"),

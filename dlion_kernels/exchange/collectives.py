@@ -33,6 +33,8 @@ import atexit
 import collections
 import ctypes
 import datetime
+import functools
+import inspect
 
 import torch.distributed as dist
 
@@ -133,6 +135,9 @@ def collective(name: str, step, fn, *args, timeout=None, label: str = "D-Lion st
     error = dict(label=label, applied=applied)
     started = kwargs.pop("async_op", False)  # the caller waits later, through wait()
     try:
+        if not started and not _takes_async_op(fn):  # object collectives: synchronous only
+            fn(*args, **kwargs)
+            return None
         work = fn(*args, async_op=True, **kwargs)
     except Exception as e:
         raise DistributedStepError(step, name, f"{type(e).__name__}: {e}", **error) from e
@@ -160,6 +165,15 @@ _recent: collections.deque = collections.deque(maxlen=RECENT_WORKS)
 def _keep_past_exit() -> None:
     for work in _recent:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
+@functools.cache
+def _takes_async_op(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: a plain collective of torch's
+        return True
+    return "async_op" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:
