@@ -439,6 +439,34 @@ def test_apply(emu, x_dtype, g_dtype, mode, ternary):
         assert all(torch.equal(_bits(t), b) for t, b in zip(xs + ms, before)), "skip=1 wrote"
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ternary", [False, True], ids=["binary", "ternary"])
+def test_apply_average_plane_counts(emu, x_dtype, ternary):
+    """The average apply's two decodes: up to 8 planes from words the warp loads once and a
+    table of D in shared memory, above 8 per thread; n on both sides of 8 planes (binary 255 /
+    256, ternary 127 / 128). Whole chunks take the plain vector loads (a 4096-element tensor, and
+    one without gradient, which takes the checked loads), the rest the checked ones."""
+    gen = torch.Generator().manual_seed(17)
+    kernels = EmuBackend(emu)
+    votes = "ternary" if ternary else "binary"
+    sizes = [4096, 4096, 4097, 33, 5]
+    for n in (127, 128) if ternary else (255, 256):
+        arena = Arena(gen)
+        xs = [arena.put(_values(k, x_dtype, gen), 1 if k == 33 else 0) for k in sizes]
+        gs = [arena.put(_values(k, x_dtype, gen)) for k in sizes]
+        gs[1] = None
+        ms = [arena.put(_values(k, torch.float32, gen)) for k in sizes]
+        offsets, total = block_offsets(sizes)
+        planes = aggregate_planes("average", votes, n)
+        agg = arena.put(_random_words(total * planes, torch.int32, gen))
+        ex, em = [x.clone() for x in xs], [m.clone() for m in ms]
+        reference.apply(ex, gs, em, agg, offsets, 1e-2, 0.1, 0.99, n, "average", ternary)
+        kernels.apply(xs, gs, ms, agg, offsets, 1e-2, 0.1, 0.99, n, "average", ternary)
+        for i, (a, e) in enumerate(zip(xs + ms, ex + em)):
+            assert_same(a, e, f"n={n} ({planes} planes) tensor {i}")
+        arena.check()
+
+
 @pytest.mark.parametrize("x_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode, ternary", [("vote", False), ("vote", True), ("average", False),
                                            ("average", True)])
