@@ -218,9 +218,11 @@ def _compare(c, p: tl.constexpr, h, gt, eq):
 
 
 @triton.jit
-def _store_plane(out_ptr, b, mask, c, p: tl.constexpr, NP: tl.constexpr):
+def _put_plane(tile, planes, c, p: tl.constexpr, NP: tl.constexpr):
+    """Column p of the [BW, NPP] output tile = counter plane c (a no-op past NP planes)."""
     if NP > p:
-        tl.store(out_ptr + b * NP + p, c, mask=mask)
+        tile = tl.where(planes[None, :] == p, c[:, None], tile)
+    return tile
 
 
 @triton.jit
@@ -235,6 +237,7 @@ def _tally_kernel(
     MODE_AVG: tl.constexpr,
     TERNARY: tl.constexpr,
     NP: tl.constexpr,  # counter planes = output planes of the average modes
+    NPP: tl.constexpr,  # NP rounded up to a power of two (the output tile's columns)
     BW: tl.constexpr,  # blocks per program
 ):
     """Per bit lane of BW blocks, over the n ranks i, with bit-sliced counters:
@@ -269,22 +272,28 @@ def _tally_kernel(
         base += row_stride
 
     if MODE_AVG:
-        _store_plane(out_ptr, b, mask, c0, 0, NP)
-        _store_plane(out_ptr, b, mask, c1, 1, NP)
-        _store_plane(out_ptr, b, mask, c2, 2, NP)
-        _store_plane(out_ptr, b, mask, c3, 3, NP)
-        _store_plane(out_ptr, b, mask, c4, 4, NP)
-        _store_plane(out_ptr, b, mask, c5, 5, NP)
-        _store_plane(out_ptr, b, mask, c6, 6, NP)
-        _store_plane(out_ptr, b, mask, c7, 7, NP)
-        _store_plane(out_ptr, b, mask, c8, 8, NP)
-        _store_plane(out_ptr, b, mask, c9, 9, NP)
-        _store_plane(out_ptr, b, mask, c10, 10, NP)
-        _store_plane(out_ptr, b, mask, c11, 11, NP)
-        _store_plane(out_ptr, b, mask, c12, 12, NP)
-        _store_plane(out_ptr, b, mask, c13, 13, NP)
-        _store_plane(out_ptr, b, mask, c14, 14, NP)
-        _store_plane(out_ptr, b, mask, c15, 15, NP)
+        # The NP words of a block are contiguous (b * NP + p): one [BW, NPP] tile stored at once
+        # covers a contiguous span, coalesced; a store per plane wrote every NP-th word.
+        planes = tl.arange(0, NPP)
+        tile = tl.zeros([BW, NPP], dtype=tl.int32)
+        tile = _put_plane(tile, planes, c0, 0, NP)
+        tile = _put_plane(tile, planes, c1, 1, NP)
+        tile = _put_plane(tile, planes, c2, 2, NP)
+        tile = _put_plane(tile, planes, c3, 3, NP)
+        tile = _put_plane(tile, planes, c4, 4, NP)
+        tile = _put_plane(tile, planes, c5, 5, NP)
+        tile = _put_plane(tile, planes, c6, 6, NP)
+        tile = _put_plane(tile, planes, c7, 7, NP)
+        tile = _put_plane(tile, planes, c8, 8, NP)
+        tile = _put_plane(tile, planes, c9, 9, NP)
+        tile = _put_plane(tile, planes, c10, 10, NP)
+        tile = _put_plane(tile, planes, c11, 11, NP)
+        tile = _put_plane(tile, planes, c12, 12, NP)
+        tile = _put_plane(tile, planes, c13, 13, NP)
+        tile = _put_plane(tile, planes, c14, 14, NP)
+        tile = _put_plane(tile, planes, c15, 15, NP)
+        tl.store(out_ptr + b[:, None] * NP + planes[None, :], tile,
+                 mask=mask[:, None] & (planes[None, :] < NP))
     else:
         # counter <=> h, from the most significant plane down
         gt = zero
@@ -347,16 +356,30 @@ def round_to(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _update(x_ptr, offs, numel, d, lr, wd, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even)."""
-    if MASKED:
-        mask = offs < numel
-    xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16)
+def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
+                 MASKED: tl.constexpr, SOFT_BF16_X: tl.constexpr, SOFT_BF16_G: tl.constexpr):
+    """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even), and
+    m <- b2 * m + omb2 * g where ``has_m``. Every load is issued before any store (x, m and g in
+    flight together: the stage is bound by the bytes in flight, not by arithmetic)."""
+    xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16_X)
+    m = tl.zeros_like(xf)
+    g = tl.zeros_like(xf)
+    if has_m:
+        m = load_f32(m_ptr, offs, numel, MASKED, False)
+        if has_g:
+            g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16_G)
     xf = xf - lr * (d + wd * xf)
+    x_new = round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16_X)
     if MASKED:
-        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+        tl.store(x_ptr + offs, x_new, mask=offs < numel)
     else:
-        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16))
+        tl.store(x_ptr + offs, x_new)
+    if has_m:
+        m_new = b2 * m + omb2 * g
+        if MASKED:
+            tl.store(m_ptr + offs, m_new, mask=offs < numel)
+        else:
+            tl.store(m_ptr + offs, m_new)
 
 
 @triton.jit
@@ -368,6 +391,7 @@ def _apply_kernel(
     g_base,  # the gradients' base pointer (the parameters' dtype or fp32)
     m_base,  # the momenta's base pointer (fp32)
     agg_ptr,  # int32 packed aggregate, P planes a block
+    lut_ptr,  # fp32 [2**P]: D of each count q (average with P <= LUT_PLANES; else unused)
     skip_ptr,  # int32 [1]: the step is dropped when non-zero (read only if HAS_SKIP)
     lr,
     wd,
@@ -382,6 +406,7 @@ def _apply_kernel(
     G_ALIGN: tl.constexpr,
     M_ALIGN: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    LUT_PLANES: tl.constexpr,
     BLOCK: tl.constexpr,
     SOFT_BF16_X: tl.constexpr,
     SOFT_BF16_G: tl.constexpr,
@@ -392,6 +417,8 @@ def _apply_kernel(
         vote, binary:  D = 2*bit - 1          vote, ternary: D = plus - minus
         average:       q = sum_p bit_p << p,  D = div_rn(float(q - n), n) (ternary)
                                                   div_rn(float(2q - n), n) (binary)
+                       (up to LUT_PLANES planes: D = lut[q], the same values made once by
+                       the launcher, instead of a division per element)
         x <- x - lr * (D + wd * x)            (fp32, each operation rounded)
         m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient; only where
                                                m_present, else neither m nor g is touched)
@@ -431,7 +458,10 @@ def _apply_kernel(
                 num = q - n
             else:
                 num = 2 * q - n
-            d = tl.div_rn(num.to(tl.float32), n_f)
+            if P <= LUT_PLANES:
+                d = tl.load(lut_ptr + q)
+            else:
+                d = tl.div_rn(num.to(tl.float32), n_f)
         else:
             w = tl.load(words, mask=wmask, other=0)
             bit = (w[:, None] >> cols[None, :]) & 1
@@ -442,17 +472,11 @@ def _apply_kernel(
                 d = (2 * bit - 1).to(tl.float32)
 
         if start + BLOCK <= numel:
-            _update(x_ptr, offs, numel, d, lr, wd, MASKED=False, SOFT_BF16=SOFT_BF16_X)
-            if has_m:
-                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=False,
-                                 SOFT_BF16=SOFT_BF16_G)
-                tl.store(m_ptr + offs, m_new)
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
+                         MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
         else:
-            _update(x_ptr, offs, numel, d, lr, wd, MASKED=True, SOFT_BF16=SOFT_BF16_X)
-            if has_m:
-                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=True,
-                                 SOFT_BF16=SOFT_BF16_G)
-                tl.store(m_ptr + offs, m_new, mask=offs < numel)
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
+                         MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -461,6 +485,26 @@ def _apply_kernel(
 
 _TABLES: dict = {}
 _MAX_CACHED_TABLES = 64
+# The average apply reads D from a table of 2**P entries up to this many planes (1 KiB: it stays
+# in L1); above it, one division per element.
+LUT_PLANES = 8
+_LUTS: dict = {}
+
+
+def average_lut(device, n: int, ternary: bool, planes: int) -> torch.Tensor:
+    """fp32 [2**planes]: D(q) = (q - n) / n (ternary) or (2q - n) / n (binary) for every count q,
+    each rounded once, as the reference divides (an element-wise fp32 division on the CPU, not a
+    multiplication by a reciprocal), on ``device``. Cached per (device, n, ternary, planes)."""
+    key = (device, n, ternary, planes)
+    lut = _LUTS.get(key)
+    if lut is None:
+        q = torch.arange(1 << planes, dtype=torch.int64)
+        num = (q - n if ternary else 2 * q - n).to(torch.float32)
+        lut = to_device(num / torch.full_like(num, float(n)), device)
+        if len(_LUTS) >= _MAX_CACHED_TABLES:
+            _LUTS.pop(next(iter(_LUTS)))
+        _LUTS[key] = lut
+    return lut
 
 
 def chunk_block(numels) -> int:
@@ -655,6 +699,7 @@ def tally(stacked, out, n, mode, ternary, step):
             MODE_AVG=mode == "average",
             TERNARY=bool(ternary),
             NP=counter_planes,
+            NPP=triton.next_power_of_2(counter_planes),
             BW=bw,
             num_warps=4,
             **LAUNCH_OPTIONS,
@@ -702,6 +747,9 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     _check_words("aggregate", aggregate, device, needed)
 
     block = chunk_block(numels)
+    lut = aggregate  # any int32/fp32 pointer will do where the kernel reads no table
+    if mode == "average" and planes <= LUT_PLANES:
+        lut = average_lut(device, n, bool(ternary), planes)
     for meta, prog, programs, aligned, (x_i, g_i, m_i) in launch_tables(
         "apply", device, (params, grads, exp_avgs), numels, offsets, block
     ):
@@ -718,6 +766,7 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
                 g_base,
                 m_base,
                 aggregate,
+                lut,
                 skip if skip is not None else aggregate,
                 float(lr),
                 float(weight_decay),
@@ -728,10 +777,14 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
                 MODE_AVG=mode == "average",
                 TERNARY=bool(ternary),
                 P=planes,
-                X_ALIGN=_ALIGN // x_base.element_size() if aligned else 1,
-                G_ALIGN=_ALIGN // g_base.element_size() if aligned else 1,
+                # 4 elements a vector for every list, so x, g (even bf16/fp16) and m share one
+                # register layout: with 8 for 2-byte x and g, m's store went through a layout
+                # conversion in shared memory
+                X_ALIGN=4 if aligned else 1,
+                G_ALIGN=4 if aligned else 1,
                 M_ALIGN=4 if aligned else 1,
                 HAS_SKIP=skip is not None,
+                LUT_PLANES=LUT_PLANES,
                 BLOCK=block,
                 SOFT_BF16_X=INTERPRETED and x_dtype == torch.bfloat16,
                 SOFT_BF16_G=INTERPRETED and g_base.dtype == torch.bfloat16,

@@ -157,6 +157,34 @@ def test_apply(backend, votes, mode, dtype, case, n):
         assert torch.equal(a.cpu(), e), "momentum differs from the reference"
 
 
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("votes, ns", [("binary", (255, 256)), ("ternary", (127, 128))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_apply_average_on_both_sides_of_the_table(backend, votes, ns, dtype):
+    """The average apply reads D from a table up to 8 bit planes and divides per element above
+    (n = 255 / 256 binary, 127 / 128 ternary: 8 and 9 planes); both equal the reference."""
+    sizes = SIZES["mixed"]
+    device = backend_device(backend)
+    for n in ns:
+        gen = torch.Generator().manual_seed(n)
+        offsets, _ = block_offsets(sizes)
+        aggregate = _random_aggregate(sizes, "average", votes, n, gen)
+        params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+        grads = _grads(sizes, dtype, "cpu", gen, {1})
+        moms = [torch.randn(s, generator=gen) for s in sizes]
+        expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+        reference.apply(expected, grads, ref_m, aggregate, offsets, 3e-3, 0.1, 0.99, n,
+                        "average", votes == "ternary")
+        actual, dev_m = [p.to(device) for p in params], [m.to(device) for m in moms]
+        g_dev = [None if g is None else g.to(device) for g in grads]
+        backends.get(backend).apply(actual, g_dev, dev_m, aggregate.to(device), offsets, 3e-3,
+                                    0.1, 0.99, n, "average", votes == "ternary")
+        for a, e in zip(actual, expected):
+            assert_close_storage(a, e)
+        for a, e in zip(dev_m, ref_m):
+            assert torch.equal(a.cpu(), e), f"n={n}: momentum differs from the reference"
+
+
 @pytest.mark.parametrize("backend", ["torch", *fast_backends()])
 @pytest.mark.parametrize("votes", ["binary", "ternary"])
 @pytest.mark.parametrize("mode", ["vote", "average"])
