@@ -606,7 +606,8 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
   }
 }
 
-// One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. Ternary
+// One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. `tie`: the
+// bits that win a binary tie with even n, or taken from the device counter `step` when given. Ternary
 // counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
 // tiles of kTallyThreads consecutive blocks (the loop bounds are the same for all its threads, so
 // __syncthreads is safe in it). Average mode writes out_planes words per block: they go through
@@ -615,8 +616,12 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
 template <int PLANES, bool TERNARY>
 __global__ void __launch_bounds__(kTallyThreads)
     tally_kernel(const uint32_t* __restrict__ stacked, int64_t row_words, int n, int64_t blocks,
-                 uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie) {
+                 uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie,
+                 const int64_t* __restrict__ step) {
   constexpr int kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
+  // The step counter on the device (a step captured in a CUDA graph): its parity picks the tie
+  // pattern (layout.py tie_pattern: even 0x55555555, odd 0xAAAAAAAA).
+  if (step != nullptr) tie = (__ldg(step) & 1) ? 0xAAAAAAAAu : 0x55555555u;
   __shared__ uint32_t staged[kTallyThreads * PLANES];
   const int64_t stride = int64_t{gridDim.x} * kTallyThreads;
   for (int64_t b0 = int64_t{blockIdx.x} * kTallyThreads; b0 < blocks; b0 += stride) {

@@ -4,7 +4,8 @@ Each backend object has the stage functions of ``reference.py`` with the same ar
 results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounded once):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``
-- ``tally(stacked, out, n, mode, ternary, step)``
+- ``tally(stacked, out, n, mode, ternary, step)`` (``step``: an int or the device counter,
+  ``reference.py``)
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
   skip=None)`` (``exp_avgs`` None, or None entries: x only for those tensors, no momentum)
 
@@ -374,11 +375,15 @@ class _NativeBackend:
             raise ValueError(f"out is on {out.device}, stacked on {stacked.device}")
         if blocks == 0:
             return
+        reference.check_step(step, stacked.device)
         args = (row_words, n, blocks, out.data_ptr(), mode == "average", bool(ternary))
-        tie = tie_pattern(step) & 0xFFFFFFFF
-        if self.cuda:
-            self._C.cuda_tally(stacked.data_ptr(), *args, tie, *device)
-        else:
+        on_device = isinstance(step, torch.Tensor)
+        if self.cuda:  # a counter tensor is read by the kernel (no host sync)
+            tie = 0 if on_device else tie_pattern(step) & 0xFFFFFFFF
+            self._C.cuda_tally(stacked.data_ptr(), *args, tie,
+                               step.data_ptr() if on_device else 0, *device)
+        else:  # on the CPU the counter is host memory
+            tie = tie_pattern(int(step) if on_device else step) & 0xFFFFFFFF
             self._C.cpu_tally(stacked.data_ptr(), *args, tie, torch.get_num_threads())
 
     def apply(self, params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n,

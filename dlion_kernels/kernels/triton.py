@@ -4,7 +4,7 @@ Same functions, same arguments, same results as the reference (votes and aggrega
 fp32 arithmetic in the reference's order with no fused multiply-add):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)`` (m is read only)
-- ``tally(stacked, out, n, mode, ternary, step)``
+- ``tally(stacked, out, n, mode, ternary, step)`` (``step``: an int or the device counter)
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
   skip=None)`` (writes x and m; ``skip`` is read by the kernel, no host sync; ``exp_avgs`` None
   or None entries: x only for those tensors, no momentum and no gradient read)
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
-from .reference import nonfinite
+from .reference import check_step, nonfinite
 from .tables import to_device
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -234,8 +234,10 @@ def _tally_kernel(
     blocks,
     h,  # the count to compare with: n // 2 (binary), n (ternary, biased count)
     tie,  # binary vote, even n: tie_pattern(step); else 0
+    step_ptr,  # int64 [1]: the step counter (read only if STEP_ON_DEVICE)
     MODE_AVG: tl.constexpr,
     TERNARY: tl.constexpr,
+    STEP_ON_DEVICE: tl.constexpr,  # the tie pattern from the counter at step_ptr, not ``tie``
     NP: tl.constexpr,  # counter planes = output planes of the average modes
     NPP: tl.constexpr,  # NP rounded up to a power of two (the output tile's columns)
     BW: tl.constexpr,  # blocks per program
@@ -333,6 +335,9 @@ def _tally_kernel(
             tl.store(out_ptr + 2 * b, gt, mask=mask)
             tl.store(out_ptr + 2 * b + 1, ~(gt | eq), mask=mask)
         else:
+            if STEP_ON_DEVICE:  # tie_pattern: 0x55555555 at an even step, 0xAAAAAAAA at an odd
+                parity = (tl.load(step_ptr) & 1).to(tl.int32)
+                tie = (0x55555555 << parity) * (1 - n % 2)
             tl.store(out_ptr + b, gt | (eq & tie), mask=mask)
 
 
@@ -682,8 +687,10 @@ def tally(stacked, out, n, mode, ternary, step):
     _check_words("out", out, stacked.device, blocks * p_out)
     if blocks == 0:
         return
-    if ternary:
-        h, tie = n, 0
+    check_step(step, stacked.device)
+    counter = isinstance(step, torch.Tensor)  # the step counter: read by the kernel
+    if ternary or counter:
+        h, tie = (n if ternary else n // 2), 0
     else:
         h, tie = n // 2, (tie_pattern(step) if n % 2 == 0 else 0)
     bw = min(1 << 16, triton.next_power_of_2(blocks)) if INTERPRETED else 512
@@ -696,8 +703,10 @@ def tally(stacked, out, n, mode, ternary, step):
             blocks,
             h,
             tie,
+            step if counter else out,
             MODE_AVG=mode == "average",
             TERNARY=bool(ternary),
+            STEP_ON_DEVICE=counter,
             NP=counter_planes,
             NPP=triton.next_power_of_2(counter_planes),
             BW=bw,

@@ -88,8 +88,9 @@ def variants(quick: bool):
         for ternary in (False, True):
             for np_ in (2, 5, 16) if not quick else (16,):
                 sig = {"stacked_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "row_stride": "i64",
-                       "blocks": "i64", "h": "i32", "tie": "i32"}
-                const = {"MODE_AVG": avg, "TERNARY": ternary, "NP": np_,
+                       "blocks": "i64", "h": "i32", "tie": "i32", "step_ptr": "*i64"}
+                const = {"MODE_AVG": avg, "TERNARY": ternary, "STEP_ON_DEVICE": not avg,
+                         "NP": np_,
                          "NPP": triton.next_power_of_2(np_), "BW": 512}
                 out.append((tk._tally_kernel, f"tally avg={avg} ternary={ternary} NP={np_}", sig,
                             const, ["stacked_ptr", "out_ptr"], 4))

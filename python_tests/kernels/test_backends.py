@@ -90,9 +90,12 @@ def test_tally(backend, votes, mode, n):
     for step in (0, 1, 7):
         expected = torch.empty(blocks * planes_out, dtype=torch.int32)
         reference.tally(stacked, expected, n, mode, votes == "ternary", step)
-        out = torch.full((blocks * planes_out,), 12345, dtype=torch.int32, device=device)
-        backends.get(backend).tally(stacked.to(device), out, n, mode, votes == "ternary", step)
-        assert torch.equal(out.cpu(), expected), f"aggregate differs at step {step}"
+        # the step as an int, and as the step counter on the device (read there)
+        for given in (step, torch.tensor([step], dtype=torch.int64, device=device)):
+            out = torch.full((blocks * planes_out,), 12345, dtype=torch.int32, device=device)
+            backends.get(backend).tally(stacked.to(device), out, n, mode, votes == "ternary",
+                                        given)
+            assert torch.equal(out.cpu(), expected), f"aggregate differs at step {given}"
 
 
 def test_binary_tie_rule_is_balanced():
