@@ -49,6 +49,14 @@ Streams (CUDA; on CPU every call below is a no-op and the same code runs):
   queues a copy into pinned host memory behind an event and leaves the ``Verdict`` to be read
   later (at the next step, when the GPU is long past this one), so the step makes no
   device-to-host synchronisation at all.
+
+CUDA graphs (one rank). A deferred step can be captured in a CUDA graph and replayed: the
+exchange then takes the step counter as a device tensor (``StepCounter``), which the header's
+step word and the tie rule read on the device and ``finish`` advances there (by one, unless the
+step is skipped), so every replay is the next step. A captured ``Verdict`` keeps the device
+headers (the last replay's, when read) instead of copying them to the host. The launch tables
+of the step's tensors must exist before capture: a step run once outside capture with the same
+tensors builds them (``kernels/tables.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +81,46 @@ from .header import (
     settings_differ,
     settings_word,
 )
+
+
+def capturing(device) -> bool:
+    """Whether the current CUDA stream of ``device`` is being captured in a CUDA graph."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class StepCounter:
+    """The step counter of one optimizer on its parameters' device (``value``, int64 [1]), for
+    steps that a CUDA graph may capture: the header and the tie rule read it on the device, and
+    each step advances it there (``Exchange.finish``: by one, unless skipped). The host's count
+    stays the authority while no step has been captured; once one was, graphs may have advanced
+    the device's, so the host takes it from there (``read``, outside capture)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.value = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.captured = False  # a step was captured: the device's count is the authority
+
+    def start(self, step: int) -> int:
+        """At a step's start, with the host's ``step``: the step this one is. Outside capture
+        the device takes the host's count (a fill kernel, nothing read back) until a capture,
+        and gives its own afterwards (one read); during capture the graph reads the device's
+        count at every replay, so nothing is written."""
+        if capturing(self.device):
+            self.captured = True
+            return step
+        if self.captured:
+            return self.read()
+        self.value.fill_(step)
+        return step
+
+    def read(self) -> int:
+        """The device's count (a host sync on CUDA; never during capture)."""
+        return int(self.value.item())
+
+    def reset(self, step: int) -> None:
+        """Set the count (a loaded state); replays of a captured step go on from it."""
+        self.value.fill_(step)
 
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
@@ -279,7 +327,8 @@ class BucketWork:
                 ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
-        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step, settings_word(0, ex.segments))
+        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step, settings_word(0, ex.segments),
+                                                  ex.counter)
         if ex.aborted:
             self.send[:, 0] |= ABORTED
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
@@ -301,10 +350,10 @@ class BucketWork:
         if n == 1:
             self.aggregate = torch.empty(self.shard * ex.p_out, dtype=torch.int32,
                                          device=ex.device)
-            ex.stages.tally(stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.step)
+            ex.stages.tally(stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.tally_step)
             return
         owned = torch.empty(self.shard * ex.p_out, dtype=torch.int32, device=ex.device)
-        ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.step)
+        ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.tally_step)
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
                                      device=ex.device)
         self.work = collective(GATHER, ex.step, all_gather, self.aggregate, owned,
@@ -376,7 +425,11 @@ class Verdict:
         self.skip, self.nonfinite, self.scaled = skip, nonfinite, scaled
         self.step = step
         self.event = None
-        if defer and headers.is_cuda:
+        if defer and capturing(headers.device):
+            # captured: no copy or event in the graph; the device headers (rewritten by every
+            # replay, kept alive by the graph's memory pool) are read when resolved
+            self.headers = headers
+        elif defer and headers.is_cuda:
             self.headers = torch.empty(headers.shape, dtype=headers.dtype, pin_memory=True)
             self.headers.copy_(headers, non_blocking=True)
             self.event = torch.cuda.Event()
@@ -415,17 +468,32 @@ class Exchange:
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
                  found_inf=None, streams: Streams | None = None, timeout=None,
-                 segments=None, late: bool = False):
+                 segments=None, late: bool = False, counter=None):
         self.group, self.n = resolve_group(group)
         self.timeout = timeout
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
+        if capturing(self.device):
+            if self.n > 1:
+                raise ValueError("a D-Lion step is captured in a CUDA graph on one rank only "
+                                 f"(world size 1); this exchange's group has {self.n} ranks")
+            if nonfinite == "raise" and found_inf is None:
+                raise ValueError("a D-Lion step captured in a CUDA graph reads nothing on the "
+                                 "host, so it cannot raise on a non-finite gradient: pass "
+                                 "nonfinite='skip' (the step is then skipped on the device)")
+            if counter is None:
+                raise ValueError("a D-Lion step captured in a CUDA graph needs its step counter "
+                                 "on the device (an int64 tensor of one element): a step number "
+                                 "given as an int would be the same at every replay")
         self.backend = backends.resolve(backend, self.device)
         self.stages = backends.get(self.backend)  # kernel stages v2 (docs/backends.md)
         self.mode, self.votes, self.nonfinite = mode, votes, nonfinite
         self.ternary = votes == "ternary"
         self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)
-        self.step = int(step)
+        self.step = None if step is None else int(step)  # None: only the counter knows it
+        # the step counter on the device (int64 [1], ``StepCounter.value``): read by the header
+        # and the tally, advanced by ``finish``; None: ``step`` is the counter
+        self.counter = counter
         self.found_inf = found_inf  # GradScaler's overflow check replaces the scan (header.py)
         self.streams = streams if streams is not None else Streams(self.device)
         self.works: list[BucketWork] = []
@@ -444,6 +512,11 @@ class Exchange:
         self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
         self.made_groups: list = []
+
+    @property
+    def tally_step(self):
+        """The tie rule's step: the counter tensor (read on the device) or the int."""
+        return self.counter if self.counter is not None else self.step
 
     @contextlib.contextmanager
     def _retiring(self):
@@ -562,6 +635,8 @@ class Exchange:
                     | settings_differ(headers[..., 0])).view(1) if self.works else None
             if skip is not None and self.aborted:
                 skip = torch.ones_like(skip)
+            if self.counter is not None:  # the next step's count, on the device
+                self.counter += 1 if skip is None else (skip == 0).to(self.counter.dtype)
         if self.works and not defer:
             self.explain(headers)  # raises the same error on every rank, before any apply
         self.streams.current_waits_side()
@@ -600,17 +675,20 @@ class Exchange:
 
 
 def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
-                found_inf=None, streams=None) -> StepStats:
+                found_inf=None, streams=None, counter=None) -> StepStats:
     """One step of already-validated ``segments`` exchanged as ``buckets``: a list of
-    ``(blocks, [(segment index, tensor index, block offset), ...])``."""
+    ``(blocks, [(segment index, tensor index, block offset), ...])``. ``counter``: the step
+    counter on the device (``Exchange``); inside CUDA graph capture the decision is not read on
+    the host (the returned stats say ``skipped=False``; the counter did not advance if it was)."""
     tensors = [t for s in segments for t in s.params]
     device = tensors[0].device if tensors else torch.device("cpu")
     ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
-                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments)
+                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments,
+                  counter=counter)
     for blocks, entries in buckets:
         rows = []
         for s, i, off in entries:
             seg = segments[s]
             rows.append(ex.row(seg.params[i], seg.grads[i], seg.exp_avgs[i], off, seg))
         ex.add(rows, blocks)
-    return ex.finish()
+    return ex.finish(defer=capturing(device))

@@ -29,7 +29,7 @@ import torch
 from . import reference
 from .errors import BackendUnavailable
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
-from .tables import to_device
+from .tables import keep_if_captured, to_device
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _REBUILD = "reinstall with `pip install -e .` (or `pip install .`) from the source tree"
@@ -208,6 +208,7 @@ class _NativeBackend:
         allocator keep its memory until the work queued so far on this stream has completed."""
         if self.cuda:
             table.tensor.record_stream(torch.cuda.current_stream(table.tensor.device))
+            keep_if_captured(table.tensor)
         return table.address
 
     def _cached(self, key):

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
 from .reference import check_step, nonfinite
-from .tables import to_device
+from .tables import keep_if_captured, to_device
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # No fused multiply-add on the GPU: c = b1*m + omb1*g must round after each operation, as in the
@@ -580,6 +580,7 @@ def in_use(*tables):
     for t in tables:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+    keep_if_captured(*tables)
     return tables
 
 
@@ -759,6 +760,7 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     lut = aggregate  # any int32/fp32 pointer will do where the kernel reads no table
     if mode == "average" and planes <= LUT_PLANES:
         lut = average_lut(device, n, bool(ternary), planes)
+        keep_if_captured(lut)
     for meta, prog, programs, aligned, (x_i, g_i, m_i) in launch_tables(
         "apply", device, (params, grads, exp_avgs), numels, offsets, block
     ):
