@@ -107,7 +107,8 @@ def variants(quick: bool):
                     for name in lists:
                         sig[f"{name}_base"] = f"*{T[x]}" if name in ("x", "g", "y") else "*fp32"
                     sig.update({name: "fp32" for name in scalars})
-                    const = {"K1": k1, "FLUSH": flush, "BLOCK": 1024, "SOFT_BF16": False}
+                    const = {"K1": k1, "FLUSH": flush, "ALIGN": 4 if aligned else 1,
+                             "BLOCK": 1024, "SOFT_BF16": False}
                     ptrs = ["meta_ptr", "prog_ptr"] + (
                         [f"{name}_base" for name in lists] if aligned else [])
                     out.append((kernel, f"accum_{kind} x={x} K1={k1} flush={flush} "

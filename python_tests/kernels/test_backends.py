@@ -161,6 +161,47 @@ def test_apply(backend, votes, mode, dtype, case, n):
 
 
 @pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode, votes", [("vote", "binary"), ("average", "ternary")])
+def test_stages_on_whole_chunks(backend, dtype, mode, votes):
+    """Tensors of whole chunks (2048 elements: the Triton interpreter's chunk for these sizes,
+    so its unmasked vector path runs on the CPU too) beside a tail, separate (aligned) and as
+    views at an odd offset of one buffer (unaligned): the local step and the apply (x and m)
+    equal the reference."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(29)
+    sizes, n, ternary = [2048, 33, 2048, 2048], 3, votes == "ternary"
+    offsets, total = block_offsets(sizes)
+    flat_g = torch.randn(1 + 2 * 2048, generator=gen).to(dtype)
+    flat_x = torch.randn(1 + 2 * 2048, generator=gen).to(dtype)
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in sizes[:2]] + \
+        [flat_g[1:2049], flat_g[2049:]]
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes[:2]] + \
+        [flat_x[1:2049], flat_x[2049:]]
+    moms = [torch.randn(s, generator=gen) for s in sizes]
+    planes = vote_planes(votes)
+    ref_v = torch.zeros(total * planes, dtype=torch.int32)
+    reference.local_step(grads, moms, ref_v, offsets, 0.9, ternary)
+    dev = backends.get(backend)
+    flat_g_dev, flat_x_dev = flat_g.to(device), flat_x.to(device)
+    g_dev = [g.to(device) for g in grads[:2]] + [flat_g_dev[1:2049], flat_g_dev[2049:]]
+    m_dev = [m.clone().to(device) for m in moms]
+    v_dev = torch.zeros(total * planes, dtype=torch.int32, device=device)
+    dev.local_step(g_dev, m_dev, v_dev, offsets, 0.9, ternary)
+    assert torch.equal(v_dev.cpu(), ref_v), "votes differ from the reference"
+    aggregate = _random_aggregate(sizes, mode, votes, n, gen)
+    expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+    reference.apply(expected, grads, ref_m, aggregate, offsets, 3e-3, 0.1, 0.99, n, mode, ternary)
+    x_dev = [p.to(device) for p in params[:2]] + [flat_x_dev[1:2049], flat_x_dev[2049:]]
+    dev.apply(x_dev, g_dev, m_dev, aggregate.to(device), offsets, 3e-3, 0.1, 0.99, n, mode,
+              ternary)
+    for a, e in zip(x_dev, expected):
+        assert_close_storage(a, e)
+    for a, e in zip(m_dev, ref_m):
+        assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+
+
+@pytest.mark.parametrize("backend", fast_backends())
 @pytest.mark.parametrize("votes, ns", [("binary", (255, 256)), ("ternary", (127, 128))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_apply_average_on_both_sides_of_the_table(backend, votes, ns, dtype):
