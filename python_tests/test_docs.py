@@ -353,7 +353,7 @@ def test_process_words_are_caught():
     assert len(found) == 10, found
     assert found[-1].startswith("line 2: a machine path")
     fine = ("--seed 1 and --seeds 0 1 2; the demo's lrs, seed 0); 3 rounds, rounded, around;\n"
-            "bench/results/plan-network-round1/; bash bench/gpu_visit.sh; dk.save_state(opt, d)")
+            "bench/results/plan-network-round1/; bash bench/gpu_run.sh; dk.save_state(opt, d)")
     assert process_words(fine) == []
 
 
