@@ -449,7 +449,12 @@ def _apply_kernel(
         ROWS: tl.constexpr = BLOCK // 32
         rows = tl.arange(0, ROWS)
         cols = tl.arange(0, 32)
-        offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
+        # offsets inside the chunk (int32: the chunk's start is folded into the pointers)
+        offs = rows[:, None] * 32 + cols[None, :]
+        x_ptr += start
+        g_ptr += start
+        m_ptr += start
+        left = numel - start  # elements of the tensor from the chunk's start
         blk = start // 32 + rows
         wmask = blk < (numel + 31) // 32
         words = agg_ptr + (block0 + blk) * P
@@ -476,11 +481,11 @@ def _apply_kernel(
             else:
                 d = (2 * bit - 1).to(tl.float32)
 
-        if start + BLOCK <= numel:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
+        if BLOCK <= left:
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, d, has_g, has_m, lr, wd, b2, omb2,
                          MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
         else:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, d, has_g, has_m, lr, wd, b2, omb2,
                          MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
 
 
