@@ -361,11 +361,42 @@ def round_to(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, omb2,
-                 MASKED: tl.constexpr, SOFT_BF16_X: tl.constexpr, SOFT_BF16_G: tl.constexpr):
+def _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
+            P: tl.constexpr, LUT_PLANES: tl.constexpr):
+    """D of every element [ROWS, 32] from the aggregate words of its block (``_apply_kernel``)."""
+    if MODE_AVG:
+        q = tl.zeros([words.shape[0], 32], dtype=tl.int32)
+        for p in tl.static_range(P):
+            w = tl.load(words + p, mask=wmask, other=0)
+            q += ((w[:, None] >> cols[None, :]) & 1) << p
+        if P <= LUT_PLANES:
+            d = tl.load(lut_ptr + q)
+        else:
+            if TERNARY:
+                num = q - n
+            else:
+                num = 2 * q - n
+            d = tl.div_rn(num.to(tl.float32), n_f)
+    else:
+        w = tl.load(words, mask=wmask, other=0)
+        bit = (w[:, None] >> cols[None, :]) & 1
+        if TERNARY:
+            minus = tl.load(words + 1, mask=wmask, other=0)
+            d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
+        else:
+            d = (2 * bit - 1).to(tl.float32)
+    return d
+
+
+@triton.jit
+def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, words, wmask, cols, lut_ptr, n, n_f, has_g,
+                 has_m, lr, wd, b2, omb2, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
+                 P: tl.constexpr, LUT_PLANES: tl.constexpr, MASKED: tl.constexpr,
+                 SOFT_BF16_X: tl.constexpr, SOFT_BF16_G: tl.constexpr):
     """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even), and
-    m <- b2 * m + omb2 * g where ``has_m``. Every load is issued before any store (x, m and g in
-    flight together: the stage is bound by the bytes in flight, not by arithmetic)."""
+    m <- b2 * m + omb2 * g where ``has_m``. Every load is issued before any store and before the
+    decode waits for its words (x, m, g and the words in flight together: the stage is bound by
+    the bytes in flight, not by arithmetic)."""
     xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16_X)
     m = tl.zeros_like(xf)
     g = tl.zeros_like(xf)
@@ -373,6 +404,7 @@ def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, d, has_g, has_m, lr, wd, b2, 
         m = load_f32(m_ptr, offs, numel, MASKED, False)
         if has_g:
             g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16_G)
+    d = _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG, TERNARY, P, LUT_PLANES)
     xf = xf - lr * (d + wd * xf)
     x_new = round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16_X)
     if MASKED:
@@ -459,33 +491,13 @@ def _apply_kernel(
         wmask = blk < (numel + 31) // 32
         words = agg_ptr + (block0 + blk) * P
 
-        if MODE_AVG:
-            q = tl.zeros([ROWS, 32], dtype=tl.int32)
-            for p in tl.static_range(P):
-                w = tl.load(words + p, mask=wmask, other=0)
-                q += ((w[:, None] >> cols[None, :]) & 1) << p
-            if TERNARY:
-                num = q - n
-            else:
-                num = 2 * q - n
-            if P <= LUT_PLANES:
-                d = tl.load(lut_ptr + q)
-            else:
-                d = tl.div_rn(num.to(tl.float32), n_f)
-        else:
-            w = tl.load(words, mask=wmask, other=0)
-            bit = (w[:, None] >> cols[None, :]) & 1
-            if TERNARY:
-                minus = tl.load(words + 1, mask=wmask, other=0)
-                d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
-            else:
-                d = (2 * bit - 1).to(tl.float32)
-
         if BLOCK <= left:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, d, has_g, has_m, lr, wd, b2, omb2,
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                         has_g, has_m, lr, wd, b2, omb2, MODE_AVG, TERNARY, P, LUT_PLANES,
                          MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
         else:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, d, has_g, has_m, lr, wd, b2, omb2,
+            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                         has_g, has_m, lr, wd, b2, omb2, MODE_AVG, TERNARY, P, LUT_PLANES,
                          MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
 
 
