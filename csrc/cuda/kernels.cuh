@@ -607,8 +607,8 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
 }
 
 // One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. `tie`: the
-// bits that win a binary tie with even n, or taken from the device counter `step` when given. Ternary
-// counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
+// bits that win a binary tie with even n, or taken from the device counter `step` when given.
+// Ternary counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
 // tiles of kTallyThreads consecutive blocks (the loop bounds are the same for all its threads, so
 // __syncthreads is safe in it). Average mode writes out_planes words per block: they go through
 // shared memory so that consecutive threads store consecutive words (coalesced), instead of each

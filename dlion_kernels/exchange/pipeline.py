@@ -53,10 +53,10 @@ Streams (CUDA; on CPU every call below is a no-op and the same code runs):
 CUDA graphs (one rank). A deferred step can be captured in a CUDA graph and replayed: the
 exchange then takes the step counter as a device tensor (``StepCounter``), which the header's
 step word and the tie rule read on the device and ``finish`` advances there (by one, unless the
-step is skipped), so every replay is the next step. A captured ``Verdict`` keeps the device
-headers (the last replay's, when read) instead of copying them to the host. The launch tables
-of the step's tensors must exist before capture: a step run once outside capture with the same
-tensors builds them (``kernels/tables.py``).
+step is skipped), so every replay is the next step. The decision of a captured step keeps the
+device headers (the last replay's, when read) instead of copying them to the host. The launch
+tables of the step's tensors must exist before capture: a step run once outside capture with
+the same tensors builds them (``kernels/tables.py``).
 """
 
 from __future__ import annotations
