@@ -113,22 +113,33 @@ export PYTHONUNBUFFERED=1
 START_TIME=$(date +%s)
 
 # ----------------------------------------------------------------------------- the device
-GPU_PROBLEM="$("$PY" - <<'EOF' 2>&1
+# Why the GPU steps cannot run ("" if they can) and the device's architecture (90 without a
+# device), from one start of Python.
+DEVICE="$("$PY" - <<'EOF' 2>&1
 import os
+problem, arch = "", "90"
 try:
     import torch
 except Exception as e:  # torch missing is a reason too
-    print(f"torch cannot be imported ({type(e).__name__}: {e})")
+    problem = f"torch cannot be imported ({type(e).__name__}: {e})"
 else:
+    if torch.cuda.is_available():
+        arch = "%d%d" % torch.cuda.get_device_capability()
     if os.environ.get("GPU_RUN_DRY") == "1":
-        print("dry run (GPU_RUN_DRY=1)")
+        problem = "dry run (GPU_RUN_DRY=1)"
     elif not torch.cuda.is_available():
-        print("no CUDA device is visible to torch")
+        problem = "no CUDA device is visible to torch"
+print("gpu-problem:" + problem.replace("\n", " "))
+print("gpu-arch:" + arch)
 EOF
 )"
-GPU_PROBLEM="${GPU_PROBLEM//$'\n'/ }"
-ARCH="$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' \
-  2>/dev/null || echo 90)"
+if grep -q '^gpu-problem:' <<< "$DEVICE"; then
+  GPU_PROBLEM="$(sed -n 's/^gpu-problem://p' <<< "$DEVICE")"
+  ARCH="$(sed -n 's/^gpu-arch://p' <<< "$DEVICE")"
+else
+  GPU_PROBLEM="Python could not tell about the device: ${DEVICE//$'\n'/ }"
+  ARCH=90
+fi
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
