@@ -433,15 +433,11 @@ __global__ void __launch_bounds__(kThreads)
                  float nf, float b2, float omb2, const int32_t* __restrict__ skip) {
   constexpr bool kAverage = KIND == kAverageBinary || KIND == kAverageTernary;
   __shared__ float lut[kAverage ? (1 << kLutPlanes) : 1];
-  // The flag of a step dropped after the exchange, read on the device: no host sync.
-  if (skip != nullptr && __ldg(skip) != 0) return;
+  // The flag of a step dropped after the exchange, read on the device (no host sync). It is
+  // tested once the chunk's loads are issued, so that its latency is not paid before them
+  // (reading is harmless; nothing is written when it is set).
+  const int32_t skipped = skip != nullptr ? __ldg(skip) : 0;
   const bool lut_decode = kAverage && planes <= kLutPlanes;
-  if constexpr (kAverage) {
-    if (lut_decode) {
-      for (int q = threadIdx.x; q < (1 << planes); q += kThreads)
-        lut[q] = average_d<KIND>(q, n, nf);
-    }
-  }
   const Entry e = load_entry(table, n_tensors);
   P* __restrict__ x = static_cast<P*>(const_cast<void*>(e.a));
   float* __restrict__ m = static_cast<float*>(e.b);
@@ -492,8 +488,13 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if constexpr (kAverage) {
-    if (lut_decode) __syncthreads();  // the table is written
+    if (lut_decode) {  // D of every count, while the loads are in flight
+      for (int q = threadIdx.x; q < (1 << planes); q += kThreads)
+        lut[q] = average_d<KIND>(q, n, nf);
+      __syncthreads();
+    }
   }
+  if (skipped != 0) return;  // the same for the whole grid
 
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {

@@ -390,13 +390,13 @@ def _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG: tl.constexpr, TERNARY
 
 @triton.jit
 def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, words, wmask, cols, lut_ptr, n, n_f, has_g,
-                 has_m, lr, wd, b2, omb2, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
+                 has_m, lr, wd, b2, omb2, go, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
                  P: tl.constexpr, LUT_PLANES: tl.constexpr, MASKED: tl.constexpr,
                  SOFT_BF16_X: tl.constexpr, SOFT_BF16_G: tl.constexpr):
     """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even), and
-    m <- b2 * m + omb2 * g where ``has_m``. Every load is issued before any store and before the
-    decode waits for its words (x, m, g and the words in flight together: the stage is bound by
-    the bytes in flight, not by arithmetic)."""
+    m <- b2 * m + omb2 * g where ``has_m``; nothing is stored unless ``go``. Every load is issued
+    before any store and before the decode waits for its words (x, m, g and the words in flight
+    together: the stage is bound by the bytes in flight, not by arithmetic)."""
     xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16_X)
     m = tl.zeros_like(xf)
     g = tl.zeros_like(xf)
@@ -407,16 +407,17 @@ def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, words, wmask, cols, lut_ptr, 
     d = _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG, TERNARY, P, LUT_PLANES)
     xf = xf - lr * (d + wd * xf)
     x_new = round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16_X)
-    if MASKED:
-        tl.store(x_ptr + offs, x_new, mask=offs < numel)
-    else:
-        tl.store(x_ptr + offs, x_new)
-    if has_m:
-        m_new = b2 * m + omb2 * g
+    if go:
         if MASKED:
-            tl.store(m_ptr + offs, m_new, mask=offs < numel)
+            tl.store(x_ptr + offs, x_new, mask=offs < numel)
         else:
-            tl.store(m_ptr + offs, m_new)
+            tl.store(x_ptr + offs, x_new)
+        if has_m:
+            m_new = b2 * m + omb2 * g
+            if MASKED:
+                tl.store(m_ptr + offs, m_new, mask=offs < numel)
+            else:
+                tl.store(m_ptr + offs, m_new)
 
 
 @triton.jit
@@ -460,45 +461,46 @@ def _apply_kernel(
         m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient; only where
                                                m_present, else neither m nor g is touched)
 
-    Nothing at all when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
+    Nothing is written when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
     """
+    # The flag of a step dropped after the exchange: read with the chunk's loads and tested only
+    # before the stores, so that its latency is not paid before the loads are issued.
     go = True
     if HAS_SKIP:
         go = tl.load(skip_ptr) == 0
-    if go:
-        pid = tl.program_id(0).to(tl.int64)
-        t = tl.load(prog_ptr + pid).to(tl.int64)
-        row = meta_ptr + t * 9
-        x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
-        g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
-        has_g = tl.load(row + 3) != 0
-        m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
-        has_m = tl.load(row + 5) != 0
-        numel = tl.load(row + 6)
-        block0 = tl.load(row + 7)
-        start = (pid - tl.load(row + 8)) * BLOCK
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(prog_ptr + pid).to(tl.int64)
+    row = meta_ptr + t * 9
+    x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
+    g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
+    has_g = tl.load(row + 3) != 0
+    m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
+    has_m = tl.load(row + 5) != 0
+    numel = tl.load(row + 6)
+    block0 = tl.load(row + 7)
+    start = (pid - tl.load(row + 8)) * BLOCK
 
-        ROWS: tl.constexpr = BLOCK // 32
-        rows = tl.arange(0, ROWS)
-        cols = tl.arange(0, 32)
-        # offsets inside the chunk (int32: the chunk's start is folded into the pointers)
-        offs = rows[:, None] * 32 + cols[None, :]
-        x_ptr += start
-        g_ptr += start
-        m_ptr += start
-        left = numel - start  # elements of the tensor from the chunk's start
-        blk = start // 32 + rows
-        wmask = blk < (numel + 31) // 32
-        words = agg_ptr + (block0 + blk) * P
+    ROWS: tl.constexpr = BLOCK // 32
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, 32)
+    # offsets inside the chunk (int32: the chunk's start is folded into the pointers)
+    offs = rows[:, None] * 32 + cols[None, :]
+    x_ptr += start
+    g_ptr += start
+    m_ptr += start
+    left = numel - start  # elements of the tensor from the chunk's start
+    blk = start // 32 + rows
+    wmask = blk < (numel + 31) // 32
+    words = agg_ptr + (block0 + blk) * P
 
-        if BLOCK <= left:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
-                         has_g, has_m, lr, wd, b2, omb2, MODE_AVG, TERNARY, P, LUT_PLANES,
-                         MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
-        else:
-            _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
-                         has_g, has_m, lr, wd, b2, omb2, MODE_AVG, TERNARY, P, LUT_PLANES,
-                         MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
+    if BLOCK <= left:
+        _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                     has_g, has_m, lr, wd, b2, omb2, go, MODE_AVG, TERNARY, P, LUT_PLANES,
+                     MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
+    else:
+        _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                     has_g, has_m, lr, wd, b2, omb2, go, MODE_AVG, TERNARY, P, LUT_PLANES,
+                     MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
 
 
 # ------------------------------------------------------------------------------------------------
