@@ -25,9 +25,9 @@
 namespace dlion {
 namespace cuda {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kVec = 4;
-constexpr int kPasses = 8;
+constexpr int kPasses = 4;
 constexpr int64_t kChunk = int64_t{kThreads} * kVec * kPasses;  // 4096 elements per CTA
 constexpr int kTallyThreads = 256;
 // The average apply decodes up to this many bit planes from words prefetched by the warp and a
@@ -193,9 +193,6 @@ __device__ __forceinline__ int64_t element_index(int64_t base, int u) {
   return base + int64_t{u} * (kThreads * kVec) + int64_t{threadIdx.x} * kVec;
 }
 
-// Whether this CTA's whole chunk lies inside its tensor (no group needs a bound check).
-__device__ __forceinline__ bool whole_chunk(const Entry& e) { return e.base + kChunk <= e.numel; }
-
 // OR of the kVec-bit nibbles of the 8 lanes that share a packed word, placed at their bit
 // position; lanes 0, 8, 16, 24 end with the word of their group.
 __device__ __forceinline__ uint32_t gather_word(uint32_t nibble) {
@@ -342,23 +339,14 @@ __global__ void __launch_bounds__(kThreads)
   // as stored (bf16/fp16 gradients packed) until the arithmetic.
   Raw<G> gr[kPasses];
   Raw<float> mr[kPasses];
-  if (whole_chunk(e) && mis_m == 0 && mis_g == 0 && g != nullptr) {  // the common case
 #pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      const int64_t i = element_index(e.base, u);
-      load_raw(m + i, mr[u]);
-      load_raw(g + i, gr[u]);
-    }
-  } else {
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      const int64_t i = element_index(e.base, u);
-      load_group_raw(m, i, e.numel, mis_m, mr[u]);
-      if (g != nullptr) {
-        load_group_raw(g, i, e.numel, mis_g, gr[u]);
-      } else {
-        zero(gr[u]);
-      }
+  for (int u = 0; u < kPasses; ++u) {
+    const int64_t i = element_index(e.base, u);
+    load_group_raw(m, i, e.numel, mis_m, mr[u]);
+    if (g != nullptr) {
+      load_group_raw(g, i, e.numel, mis_g, gr[u]);
+    } else {
+      zero(gr[u]);
     }
   }
 
@@ -451,26 +439,16 @@ __global__ void __launch_bounds__(kThreads)
   Raw<float> mr[kPasses];
   Raw<G> gr[kPasses];
   uint32_t w0[kPasses], w1[kPasses];
-  // The common case (the chunk inside the tensor, every array on its vector alignment, a
-  // momentum and a gradient) takes plain vector loads, without the per-group checks.
-  const bool fast = whole_chunk(e) && mis_x == 0 && mis_m == 0 && mis_g == 0 && m != nullptr &&
-                    g != nullptr;
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
     const int64_t i = element_index(e.base, u);
-    if (fast) {
-      load_raw(x + i, xr[u]);
-      load_raw(m + i, mr[u]);
-      load_raw(g + i, gr[u]);
-    } else {
-      load_group_raw(x, i, e.numel, mis_x, xr[u]);
-      if (m != nullptr) {  // the same for the whole CTA: one tensor per chunk
-        load_group_raw(m, i, e.numel, mis_m, mr[u]);
-        if (g != nullptr) {
-          load_group_raw(g, i, e.numel, mis_g, gr[u]);
-        } else {
-          zero(gr[u]);
-        }
+    load_group_raw(x, i, e.numel, mis_x, xr[u]);
+    if (m != nullptr) {  // the same for the whole CTA: one tensor per chunk
+      load_group_raw(m, i, e.numel, mis_m, mr[u]);
+      if (g != nullptr) {
+        load_group_raw(g, i, e.numel, mis_g, gr[u]);
+      } else {
+        zero(gr[u]);
       }
     }
     w0[u] = w1[u] = 0;
