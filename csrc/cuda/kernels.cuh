@@ -600,7 +600,9 @@ __global__ void __launch_bounds__(kTallyThreads)
   constexpr int kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
   // The step counter on the device (a step captured in a CUDA graph): its parity picks the tie
   // pattern (layout.py tie_pattern: even 0x55555555, odd 0xAAAAAAAA).
-  if (step != nullptr) tie = (__ldg(step) & 1) ? 0xAAAAAAAAu : 0x55555555u;
+  if constexpr (!TERNARY) {
+    if (step != nullptr) tie = (__ldg(step) & 1) ? 0xAAAAAAAAu : 0x55555555u;
+  }
   __shared__ uint32_t staged[kTallyThreads * PLANES];
   const int64_t stride = int64_t{gridDim.x} * kTallyThreads;
   for (int64_t b0 = int64_t{blockIdx.x} * kTallyThreads; b0 < blocks; b0 += stride) {
