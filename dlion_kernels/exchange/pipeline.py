@@ -313,45 +313,50 @@ class BucketWork:
         ex, n, shard = self.ex, self.ex.n, self.shard
         rows = [r for r in self.rows if r.param.numel() > 0]  # empty tensors own no block
         device = ex.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = None
         if ex.found_inf is None:
             for part in by_dtype([(r.grad,) for r in rows if r.grad is not None]):
-                flag |= ex.stages.nonfinite([g for (g,) in part])
+                found = ex.stages.nonfinite([g for (g,) in part])
+                flag = found if flag is None else flag | found
         elif not ex.works:  # the caller's check covers every gradient: flag it once
             flag = (ex.found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
+        if flag is None:
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
         votes = torch.zeros(n * shard * ex.p_in, dtype=torch.int32, device=device)
         for seg_rows in _by_segment(rows):
             beta1 = seg_rows[0].segment.beta1
             for part in by_dtype([(r.grad, r.exp_avg, r.offset) for r in seg_rows]):
                 g, m, off = zip(*part)
                 ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
+        header = make_header(flag, ex.step, settings_word(0, ex.segments), ex.counter)
+        if ex.aborted:
+            header[0:1] |= ABORTED
+        if n == 1:
+            # nothing to send: the tally reads the votes where the local step wrote them (a
+            # step of one rank launches as few kernels as it can: CUDA graphs replay each one)
+            self.header, self.stacked = header.view(1, HEADER_WORDS), votes.view(1, -1)
+            return
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
-        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step, settings_word(0, ex.segments),
-                                                  ex.counter)
-        if ex.aborted:
-            self.send[:, 0] |= ABORTED
+        self.send[:, :HEADER_WORDS] = header
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
-        if n == 1:
-            self.received = self.send
-        else:
-            self.received = torch.empty_like(self.send)
-            self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
-                                   self.send.view(-1), group=ex.group, async_op=True)
-            self.name = A2A
-            ex.sent += (n - 1) * width * WORD_BYTES
+        self.received = torch.empty_like(self.send)
+        self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
+                               self.send.view(-1), group=ex.group, async_op=True)
+        self.name = A2A
+        ex.sent += (n - 1) * width * WORD_BYTES
 
     def reduce(self) -> None:
         """Stage 1, once the all_to_all is complete: tally the owned shard, gather the
         aggregate."""
         ex, n = self.ex, self.ex.n
-        self.header = self.received[:, :HEADER_WORDS]
-        stacked = self.received[:, HEADER_WORDS:].contiguous()
-        if n == 1:
+        if n == 1:  # the header and the votes as ``start`` left them
             self.aggregate = torch.empty(self.shard * ex.p_out, dtype=torch.int32,
                                          device=ex.device)
-            ex.stages.tally(stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.tally_step)
+            ex.stages.tally(self.stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.tally_step)
             return
+        self.header = self.received[:, :HEADER_WORDS]
+        stacked = self.received[:, HEADER_WORDS:].contiguous()
         owned = torch.empty(self.shard * ex.p_out, dtype=torch.int32, device=ex.device)
         ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.tally_step)
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
@@ -615,28 +620,36 @@ class Exchange:
             for w in self.works:
                 w.wait()
             if self.works:
-                headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
-                # torch.full: a fill kernel (torch.tensor would copy from pageable host memory,
-                # a host sync on CUDA)
-                word = torch.full((1,), settings_word(ABORTED if self.aborted else 0,
-                                                      self.segments),
-                                  dtype=torch.int32, device=self.device)
-                if agree is not None:
-                    headers = agree(headers, word)
-                elif self.late and self.n > 1:
-                    headers = torch.cat([headers, self._verdict_row(word, headers)])
+                # [buckets, n, 2] (one bucket: a view, no copy)
+                headers = (self.works[0].header.unsqueeze(0) if len(self.works) == 1 else
+                           torch.stack([w.header for w in self.works]))
+                if agree is not None or (self.late and self.n > 1):
+                    # torch.full: a fill kernel (torch.tensor would copy from pageable host
+                    # memory, a host sync on CUDA)
+                    word = torch.full((1,), settings_word(ABORTED if self.aborted else 0,
+                                                          self.segments),
+                                      dtype=torch.int32, device=self.device)
+                    if agree is not None:
+                        headers = agree(headers, word)
+                    else:
+                        headers = torch.cat([headers, self._verdict_row(word, headers)])
             else:
                 headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
                                       device=self.device)
             # One device flag for all buckets: any rank's non-finite gradient, a rank that gave
             # up, a rank at another step or with other settings skips every apply of every rank.
-            skip = ((headers[..., 0] & (NONFINITE | ABORTED)).amax()
-                    | (headers[..., 1] != headers[0, 0, 1]).any()
-                    | settings_differ(headers[..., 0])).view(1) if self.works else None
+            # (Headers of one rank: its own flags alone can differ from nothing.)
+            skip = None
+            if self.works:
+                skip = (headers[..., 0] & (NONFINITE | ABORTED)).amax()
+                if headers.shape[-2] > 1:
+                    skip = (skip | (headers[..., 1] != headers[0, 0, 1]).any()
+                            | settings_differ(headers[..., 0]))
+                skip = skip.view(1)
             if skip is not None and self.aborted:
                 skip = torch.ones_like(skip)
             if self.counter is not None:  # the next step's count, on the device
-                self.counter += 1 if skip is None else (skip == 0).to(self.counter.dtype)
+                self.counter.add_(1 if skip is None else skip == 0)
         if self.works and not defer:
             self.explain(headers)  # raises the same error on every rank, before any apply
         self.streams.current_waits_side()
