@@ -32,11 +32,9 @@ bench/results/diloco-torchft-<timestamp>/ or --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -108,31 +106,24 @@ def _dk_rank(rank, n, args, variant):
     return dict(_train(rank, args, chars, data, model, inner, after_step), bytes_per_sync=sent)
 
 
-def _torchft_rank(replica, args, lighthouse, port, out_dir):
+def _torchft_rank(replica, args, lighthouse, out_dir):
     """One replica group of torchft's DiLoCo (its own process, not in any gloo group of ours)."""
     path = os.path.join(out_dir, f"replica{replica}.pt")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum log: a few lines per sync
     try:
         from torchft.local_sgd import DiLoCo
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
+        from dlion_kernels import launch
         from dlion_kernels.accounting import ring_all_reduce_bytes
 
         chars, data, model, inner = _setup(args)
-        # the Manager connects to its replica group's store; rank 0 of the group creates it
-        store = torch.distributed.TCPStore("localhost", port, is_master=True,
-                                           wait_for_workers=False)
-        timeout = datetime.timedelta(seconds=120)
-        manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=N,
-                          use_async_quorum=False, load_state_dict=model.load_state_dict,
-                          state_dict=model.state_dict, replica_id=str(replica),
-                          store_addr="localhost", store_port=port, rank=0, world_size=1,
-                          lighthouse_addr=lighthouse, timeout=timeout, quorum_timeout=timeout,
-                          # the replicas start from the same seeded weights; init_sync=True
-                          # (the default) would heal one replica from the other at the first
-                          # quorum, i.e. at DiLoCo's first sync, after H local steps
-                          init_sync=False)
+        manager = launch.replica_manager(
+            str(replica), lighthouse, min_replica_size=N, load_state_dict=model.load_state_dict,
+            state_dict=model.state_dict, timeout=120.0, quorum_timeout=120.0,
+            # the replicas start from the same seeded weights; init_sync=True (the default)
+            # would heal one replica from the other at the first quorum, i.e. at DiLoCo's
+            # first sync, after H local steps
+            init_sync=False)
         handed = []  # bytes of the tensors handed to the all-reduce, per sync
         allreduce = manager.allreduce
 
@@ -149,7 +140,6 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
         res["bytes_per_sync"] = [round(ring_all_reduce_bytes(N, per_sync))] * syncs
         res["manager_step"] = manager.current_step()
         manager.shutdown(wait=False)
-        del store
         result = ("ok", res)
     except BaseException:
         result = ("error", traceback.format_exc())
@@ -158,22 +148,15 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_torchft(args) -> list:
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
+    from dlion_kernels import launch
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=N)
+    lighthouse = launch.lighthouse(min_replicas=N)
     ctx = mp.get_context("spawn")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             procs = [ctx.Process(target=_torchft_rank,
-                                 args=(r, args, lighthouse.address(), _free_port(), tmp))
+                                 args=(r, args, lighthouse.address(), tmp))
                      for r in range(N)]
             for p in procs:
                 p.start()

@@ -154,13 +154,12 @@ def _forward(net, cfg, step: int, index: int):
 
 def _lighthouse(cfg_path: str) -> None:
     """The Lighthouse of one run, in node 0's namespace; writes its port, serves until killed."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
+    from dlion_kernels import launch
 
     with open(cfg_path) as f:
         cfg = json.load(f)
-    house = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"],
-                             quorum_tick_ms=cfg["quorum_tick_ms"])
+    house = launch.lighthouse(min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"],
+                              quorum_tick_ms=cfg["quorum_tick_ms"])
     port = house.address().rsplit(":", 1)[1]
     _publish(cfg["lighthouse_file"], f"http://{cfg['addrs'][0]}:{port}")
     signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -172,14 +171,11 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     cfg, lines, write = _begin(cfg_path, index)
     addr = cfg["addrs"][index]
-    from datetime import timedelta
-
     import torch
     import torch._dynamo  # noqa: F401  (what torch.optim loads at a first step: not in the heal)
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
+    from dlion_kernels import launch
     from dlion_kernels.demo.elastic import end_replica, read_records
 
     if restart:
@@ -188,8 +184,6 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     lighthouse = _published(cfg["lighthouse_file"])
     model = _model(cfg)
     params = list(model.parameters())
-    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=cfg["timeout"])
     ddp = cfg["variant"].startswith("torchft")
     state = {}
     if ddp:
@@ -199,12 +193,10 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
         def load(sd):
             model.load_state_dict(sd["model"])
             state["inner"].load_state_dict(sd["optim"])
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load if ddp else None,
-                      state_dict=save if ddp else None, min_replica_size=2,
-                      use_async_quorum=False, replica_id=f"replica{index}", store_addr=addr,
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                      hostname=addr, timeout=timeout, quorum_timeout=timedelta(seconds=300),
-                      connect_timeout=timeout)
+    manager = launch.replica_manager(f"replica{index}", lighthouse, addr=addr,
+                                     load_state_dict=load if ddp else None,
+                                     state_dict=save if ddp else None, min_replica_size=2,
+                                     hostname=addr, timeout=cfg["timeout"], quorum_timeout=300.0)
     buckets = []
     if ddp:
         from torchft.optim import OptimizerWrapper

@@ -154,17 +154,45 @@ class StepAbortedError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one step did on this rank. Bytes are what this rank's collectives sent/received."""
+    """What one step did on this rank. Bytes are what this rank's collectives sent/received.
+
+    The fields after ``buckets`` say more where a step has more to say, and keep their defaults
+    elsewhere:
+
+    - where the bytes went, when the voters are nodes or replicas of several ranks (hierarchy,
+      FSDP2, a replica of several ranks on torchft): ``intra_node_bytes_sent`` is the part that
+      stayed inside a node (a node's reduce-scatter and gathers, FSDP2's header gather, a
+      replica's own agreement), ``inter_node_bytes_sent`` the rest; ``nodes`` and
+      ``ranks_per_node`` (hierarchy: N voters of L ranks; ``world_size`` is then all n ranks),
+      ``shards`` (FSDP2: the L ranks a replica is sharded over; ``numel`` counts this rank's
+      local elements and ``world_size`` is the N replicas voting on them);
+    - a step on torchft's quorum (``manager=``): ``participants`` (the replicas of this step,
+      also ``world_size``), ``committed`` (what ``should_commit`` said; False: nothing was
+      applied here, and ``skipped`` is True) and ``manager_step`` (the manager's step count
+      after it). None without a manager.
+    """
 
     bytes_sent: int
     bytes_received: int
     numel: int
     world_size: int
-    mode: str
-    votes: str
-    backend: str
+    mode: str | None
+    votes: str | None
+    backend: str | None
     skipped: bool = False
     buckets: int = 1
+    intra_node_bytes_sent: int = 0
+    nodes: int | None = None
+    ranks_per_node: int = 1
+    shards: int = 1
+    participants: int | None = None
+    committed: bool | None = None
+    manager_step: int | None = None
+
+    @property
+    def inter_node_bytes_sent(self) -> int:
+        """What went between nodes or replicas: all of ``bytes_sent`` on one flat group."""
+        return self.bytes_sent - self.intra_node_bytes_sent
 
     @property
     def allreduce_fp32_bytes(self) -> int:
@@ -517,6 +545,7 @@ class Exchange:
         self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
         self.made_groups: list = []
+        self.committed = None  # finish(commit=...)'s answer
 
     @property
     def tally_step(self):
@@ -598,7 +627,8 @@ class Exchange:
             for w in self.works:
                 w.wait()
 
-    def finish(self, defer: bool = False, agree=None, abort: bool = False) -> StepStats:
+    def finish(self, defer: bool = False, agree=None, abort: bool = False,
+               commit=None) -> StepStats:
         """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
         resolves ``self.verdict``. ``agree``: None, or a function of the received headers
@@ -610,7 +640,10 @@ class Exchange:
         step's last collective, after the last thing a rank can find wrong. ``abort``: this
         rank gives up the step (an error of its own, ``self.problem``): every collective runs
         as in a normal finish (so every rank's sequence stays matched and the others learn
-        it), and nothing is applied anywhere.
+        it), and nothing is applied anywhere. ``commit``: None, or a function asked once every
+        collective of the step has returned and before anything is applied (torchft's
+        ``should_commit``, ``elastic.py``): False applies nothing on this rank and raises
+        nothing (the step is reported skipped; ``self.committed`` keeps the answer).
 
         One decision: a rank that gave the step up, or ranks whose settings differ, make every
         rank raise the same error (``explain``), read on the host here unless deferred."""
@@ -648,11 +681,17 @@ class Exchange:
                 skip = skip.view(1)
             if skip is not None and self.aborted:
                 skip = torch.ones_like(skip)
-            if self.counter is not None:  # the next step's count, on the device
-                self.counter.add_(1 if skip is None else skip == 0)
+        if commit is not None:
+            self.committed = bool(commit())
+            if not self.committed:  # nothing applied here, nothing raised: the step is dropped
+                return StepStats(self.sent, self.sent, sum(w.numel for w in self.works), self.n,
+                                 self.mode, self.votes, self.backend, skipped=True,
+                                 buckets=len(self.works))
         if self.works and not defer:
             self.explain(headers)  # raises the same error on every rank, before any apply
         self.streams.current_waits_side()
+        if self.counter is not None:  # the next step's count, on the device
+            self.counter.add_(1 if skip is None else skip == 0)
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
             w.apply(skip)

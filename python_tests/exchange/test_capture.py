@@ -86,12 +86,20 @@ def test_optimizer_counts_on_the_device_and_after_a_capture(monkeypatch):
     counter at its start and drops a step left to settle; afterwards the state's step counts
     come from the device counter, which replays advanced (faked: +4), and a loaded state resets
     it."""
+    created = []
+
+    class Recorded(pipeline.StepCounter):  # the optimizer's counter, seen from outside
+        def __init__(self, device):
+            super().__init__(device)
+            created.append(self)
+
+    monkeypatch.setattr(paths, "StepCounter", Recorded)
     model = _model()
     opt = dk.DistributedLion(model.parameters(), lr=1e-2, nonfinite="skip", capturable=True)
     x = torch.randn(4, 8)
     for _ in range(2):
         _train_step(model, opt, x)
-    counter = opt._path.counter
+    (counter,) = created
     assert counter.value.item() == 2 and not counter.captured
     model[0].weight.grad[0, 0] = float("nan")  # a skipped step does not count
     opt.step()

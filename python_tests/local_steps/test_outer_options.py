@@ -308,15 +308,6 @@ def test_a_checkpoint_of_other_options_is_refused_with_nothing_changed():
     _equal_state(_state(with_ef), _state(fresh))
 
 
-def test_fsdp_mesh_is_refused():
-    from dlion_kernels.local_steps import outer_options
-
-    with pytest.raises(ValueError, match="FSDP2"):
-        outer_options.check("dlion", DLionOuterOptions(error_feedback=True), "binary", True)
-    with pytest.raises(ValueError, match="FSDP2"):
-        outer_options.check("sparseloco", None, "binary", True)
-
-
 @pytest.mark.parametrize("outer, opts", [
     ("dlion", DLionOuterOptions(error_feedback=True, scale=True)),
     ("sparseloco", SparseLoCoOptions(chunk=16, topk=3))])

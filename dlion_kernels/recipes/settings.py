@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..accounting import BUCKET_MB
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -15,7 +17,7 @@ class Settings:
     weight_decay: float = 0.0
     backend: str | None = None  # dlion_kernels backend (None: the fastest available)
     accum_steps: int | None = None  # K of AccumAdamW / AccumLion; None: the number of ranks
-    bucket_mb: float = 25.0  # DDP's buckets, D-Lion's overlap buckets, the gossip buckets
+    bucket_mb: float = BUCKET_MB  # DDP's buckets, D-Lion's overlap buckets, the gossip buckets
     ranks_per_node: int = 1  # L: the nodes of hierarchies and alternating-exp-ring
     sync_every: int = 8  # DiLoCo's H: inner steps between two syncs of a fragment
     fragments: int = 1  # DiLoCo's P (Streaming DiLoCo's fragments; H a multiple of P)

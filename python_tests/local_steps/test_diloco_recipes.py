@@ -13,9 +13,9 @@ from test_diloco import _Recorder
 from test_sparseloco import payload_bytes
 from workers import run_workers
 
-from dlion_kernels import build as b
+from dlion_kernels import recipes as b
 from dlion_kernels import strategies
-from dlion_kernels.build import builders
+from dlion_kernels.recipes import builders
 from dlion_kernels.local_steps import fragments as frag
 from dlion_kernels.local_steps.outer_options import SparseLoCoOptions
 

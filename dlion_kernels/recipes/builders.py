@@ -30,7 +30,7 @@ def build(slug: str, model: torch.nn.Module, settings: Settings) -> Built:
     group. ValueError if the strategy cannot run on this group (``Strategy.problem``)."""
     strategy = get(slug)
     if not isinstance(settings, Settings):
-        raise TypeError(f"settings must be a build.Settings, got {type(settings).__name__}")
+        raise TypeError(f"settings must be a recipes.Settings, got {type(settings).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("build() needs an initialized default process group "
                            "(torch.distributed.init_process_group)")
@@ -66,7 +66,7 @@ def _stats_bytes(opt):
     """() -> (bytes sent, bytes sent to other nodes) of ``opt``'s last D-Lion step."""
     def sent():
         stats = opt.last_stats
-        return stats.bytes_sent, getattr(stats, "inter_node_bytes_sent", None)
+        return stats.bytes_sent, stats.inter_node_bytes_sent if stats.nodes is not None else None
 
     return sent
 

@@ -1,4 +1,4 @@
-"""Named strategies built on gloo ranks (dlion_kernels/build/): every family has a builder,
+"""Named strategies built on gloo ranks (dlion_kernels/recipes/): every family has a builder,
 each built strategy trains with the bytes its exchange sends, and bad input is refused before
 any collective."""
 
@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from workers import run_workers
 
-from dlion_kernels import build as b
+from dlion_kernels import recipes as b
 from dlion_kernels import strategies
-from dlion_kernels.build.groups import fsdp_mesh
+from dlion_kernels.recipes.groups import fsdp_mesh
 from dlion_kernels.kernels.layout import HEADER_WORDS, num_blocks, shard_blocks
 
 N, L = 4, 2
@@ -134,7 +134,7 @@ def test_bad_input_is_refused_before_any_collective():
     assert ring == "ValueError: topology 'ring' needs an even number of ranks, got 3"
     assert hier.startswith("ValueError: dlion-vote-hier needs nodes of L > 1 ranks")
     assert unknown.startswith("ValueError: unknown strategy 'dlion-median'; known: ")
-    assert settings == "TypeError: settings must be a build.Settings, got dict"
+    assert settings == "TypeError: settings must be a recipes.Settings, got dict"
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
