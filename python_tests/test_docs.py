@@ -92,8 +92,8 @@ def _module_exists(name: str) -> bool:
 
 
 # A file being renamed on another branch: the docs cite the new name; either name passes until
-# both branches are in (then drop the entry).
-RENAMING = {"bench/gpu_run.sh": "bench/gpu_visit.sh"}
+# both branches are in (then drop the entry). None now.
+RENAMING: dict[str, str] = {}
 
 
 def path_problems(text: str, root: Path = ROOT) -> list[str]:
@@ -361,7 +361,7 @@ def test_process_words_are_caught():
     assert len(found) == 10, found
     assert found[-1].startswith("line 2: a machine path")
     fine = ("--seed 1 and --seeds 0 1 2; the demo's lrs, seed 0); 3 rounds, rounded, around;\n"
-            "bench/results/plan-network-round1/; bash bench/gpu_visit.sh; dk.save_state(opt, d)")
+            "bench/results/plan-network-round1/; bash bench/gpu_run.sh; dk.save_state(opt, d)")
     assert process_words(fine) == []
 
 

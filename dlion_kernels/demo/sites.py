@@ -143,8 +143,8 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import dlion_kernels as dk
     from dlion_kernels.local_steps import fragments as frag
+    from dlion_kernels.local_steps.diloco import DiLoCo
 
     torch.set_num_threads(1)
     if go is not None:
@@ -176,7 +176,7 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
         shard(model, init_device_mesh("cpu", (L,), mesh_dim_names=("shard",)))
     inner = torch.optim.AdamW(model.parameters(), lr=cfg["inner_lr"],
                               weight_decay=cfg["weight_decay"])
-    diloco = dk.DiLoCo(model, inner, sync_every=cfg["sync_every"], fragments=cfg["fragments"],
+    diloco = DiLoCo(model, inner, sync_every=cfg["sync_every"], fragments=cfg["fragments"],
                        overlap_steps=cfg["overlap_steps"], outer_lr=cfg["outer_lr"],
                        manager=manager)
     write(event="ready")

@@ -29,7 +29,7 @@ GATE_KEY = "dlion_kernels.DistributedLion"
 _FLAGS = {
     "foreach": (None, True, False),  # accepted: every backend is multi-tensor fused anyway
     "fused": (None, True, False),
-    "capturable": (None, False),  # the step reads the ranks' header on the host
+    "capturable": (None, True, False),  # one rank, nonfinite="skip": the step is capturable
     "differentiable": (None, False),  # sign votes have no useful derivative
 }
 
@@ -39,8 +39,6 @@ def _check_flags(flags: dict) -> None:
         allowed = _FLAGS[name]
         if value not in allowed or (value is not None and not isinstance(value, bool)):
             why = {
-                "capturable": "the step reads every rank's header on the host (a collective "
-                "decision), so it cannot be captured in a CUDA graph",
                 "differentiable": "the update is a sign vote, which has no useful derivative",
             }.get(name, "")
             raise ValueError(
@@ -128,8 +126,10 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) keep every option and ``last_stats``
     and step like the original; an explicit process group cannot be pickled (assign
-    ``opt.group`` again on the copy). Copies are not elastic. ``foreach`` and ``fused`` change
-    nothing; ``capturable=True`` and ``differentiable=True`` raise ``ValueError``.
+    ``opt.group`` again on the copy). Copies are not elastic. ``foreach``, ``fused`` and
+    ``capturable`` change nothing (a step on one rank with ``nonfinite="skip"`` can always be
+    captured in a CUDA graph: ``exchange/pipeline.py``); ``differentiable=True`` raises
+    ``ValueError``.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)

@@ -29,7 +29,16 @@ from ..exchange.checks import check_hyperparameters, check_tensors
 from ..exchange.collectives import DistributedStepError
 from ..exchange.copying import attached_group
 from ..exchange.header import settings_word
-from ..exchange.pipeline import ABORTED, Exchange, Segment, StepStats, Streams, resolve_group
+from ..exchange.pipeline import (
+    ABORTED,
+    Exchange,
+    Segment,
+    StepCounter,
+    StepStats,
+    Streams,
+    capturing,
+    resolve_group,
+)
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -347,6 +356,28 @@ class FlatPath(Path):
         self.exchanged: set[int] = set()  # ids of the params exchanged this step
         self.found_inf = None  # fp16 GradScaler: this rank's overflow flag for the header
         self.stepping = False  # inside step() (else a bucket starts during backward)
+        self.counter: StepCounter | None = None  # the step count on the device (CUDA graphs)
+
+    def settle(self) -> None:
+        """Also inside CUDA graph capture, where nothing is read: a step left to settle then is
+        dropped (the device's step counter has its count). Once a step was captured, the step
+        counts of the state come from the device's counter (graphs may have advanced it)."""
+        device = self.counter.device if self.counter is not None else None
+        if device is not None and capturing(device):
+            self.pending = None
+            return
+        super().settle()
+        if self.counter is not None and self.counter.captured:
+            count = self.counter.read()
+            for p in self.trainable():
+                if self.opt.state[p]:
+                    self.opt.state[p]["step"] = count
+
+    def after_load(self) -> None:
+        if self.counter is not None:  # replays of a captured step go on from the loaded step
+            params = self.trainable()
+            self.counter.reset(max((self.opt.state[p].get("step", 0) for p in params),
+                                   default=0))
 
     def in_flight(self) -> bool:
         return self.exchange is not None
@@ -482,11 +513,15 @@ class FlatPath(Path):
             timeout = getattr(opt, "timeout", None)
             group = self.group()
             overlapped = self.engine is not None or self.ddp_hooked  # buckets in backward
+            if self.counter is None or self.counter.device != device:
+                self.counter = StepCounter(device)
+            step = self.counter.start(step)
             self.exchange = Exchange(device=device, mode=opt.mode, votes=opt.votes,
                                      group=group, backend=opt.backend, step=step,
                                      nonfinite=opt.nonfinite, found_inf=self.found_inf,
                                      streams=self.streams, timeout=timeout,
-                                     segments=self.segments, late=overlapped)
+                                     segments=self.segments, late=overlapped,
+                                     counter=self.counter.value)
             self.exchange.explainer = agree.explain_step  # one error on every rank
             if gate is not None:  # one error on every rank of this replica; none between them
                 self.exchange.explain_groups = [gate.replica_group]
