@@ -40,7 +40,9 @@ untouched (they go on stepping exactly as twins that never saw the refusal):
 - ``ddp-scaler``: a GradScaler with DDP's comm hook: ``ValueError`` at the first
   ``scaler.step(opt)``, nothing updated, and the next steps go on as if it had not been tried;
 - ``ddp-hierarchy``: ``register_ddp_comm_hook`` with a hierarchical optimizer: ``ValueError``, no
-  hook registered (DDP takes another afterwards).
+  hook registered (DDP takes another afterwards);
+- ``elastic-triple``: ``manager=`` with ``hierarchy=2`` and ``overlap=True`` (three features at
+  once) beside a live overlap optimizer on the same parameters.
 """
 
 from __future__ import annotations
@@ -498,6 +500,27 @@ def _ddp_hierarchy(rank, sub):
     return dict(refused=refused, got=got, ref=ref, takes_another=takes_another)
 
 
+def _elastic_triple(rank, sub):
+    """manager= with hierarchy=2 and overlap=True beside a live overlap optimizer on the same
+    parameters. The checks come before torchft's servers are reached, so a Manager without them
+    is enough here (test_elastic.py does the same)."""
+    try:
+        from torchft.manager import Manager
+    except ImportError:
+        return None
+    manager = Manager.__new__(Manager)
+    manager._use_async_quorum = False
+    model, twin = _mlp(), _mlp()
+    kw = dict(lr=1e-2, overlap=True, bucket_mb=TINY)
+    live = dk.DistributedLion(model.parameters(), **kw)
+    got = _train(model, live, rank, range(1))
+    refused = outcome(lambda: dk.DistributedLion(model.parameters(), hierarchy=2,
+                                                 manager=manager, **kw))
+    got += _train(model, live, rank, range(1, 3))
+    ref = _train(twin, dk.DistributedLion(twin.parameters(), **kw), rank, range(3))
+    return dict(refused=refused, got=got, ref=ref)
+
+
 CASES = {
     "group-overlap": _group_overlap, "ddp-overlap": _ddp_overlap, "ddp-group": _ddp_group,
     "group-scaler": _group_scaler, "fsdp-scaler": _fsdp_scaler,
@@ -506,7 +529,7 @@ CASES = {
     "scaler-diloco": _scaler_diloco, "scaler-stream": _scaler_stream,
     "options-stream": _options_stream, "fsdp-options": _fsdp_options,
     "hierarchy-group": _hierarchy_group, "diloco-inner": _diloco_inner,
-    "ddp-scaler": _ddp_scaler, "ddp-hierarchy": _ddp_hierarchy,
+    "ddp-scaler": _ddp_scaler, "ddp-hierarchy": _ddp_hierarchy, "elastic-triple": _elastic_triple,
 }
 CHECKPOINTS = ("overlap-ckpt", "ddp-ckpt", "scaler-ckpt")
 
@@ -748,3 +771,44 @@ def test_ddps_comm_hook_refuses_hierarchy_and_registers_nothing(ranks):
     for res in ranks:
         assert res["ddp-hierarchy"]["takes_another"] == ("ok", None)
     _matches(ranks, "ddp-hierarchy")
+
+
+
+def test_elastic_hierarchy_with_overlap_is_refused(ranks):
+    """Three features at once: refused at construction on every rank, before the gate or any
+    backward hook exists."""
+    if ranks[0]["elastic-triple"] is None:
+        pytest.skip("torchft is not installed")
+    _refused(ranks, [res["elastic-triple"]["refused"] for res in ranks], "ValueError",
+             ["manager= with hierarchy does not combine with overlap=True",
+              "nothing was built on any rank"])
+    _matches(ranks, "elastic-triple")
+
+
+# ----------------------------------------------------------------------------- the docs' table
+
+
+def test_the_docs_table_names_a_test_for_every_pair():
+    """docs/composition.md: every pair of its features once, each "works" or "refused", and every
+    test the page names exists (``file::test`` under python_tests/)."""
+    import itertools
+    import re
+
+    page = open(os.path.join(HERE, os.pardir, "docs", "composition.md")).read()
+    features_part, pairs_part = page.split("## Every pair")
+    features = re.findall(r"^\| ([\w= ]+) \| .* \| .* \|$",
+                          features_part.split("## The features")[1], re.M)
+    features = [f for f in features if f != "name"]
+    assert len(features) == 10, features
+    rows = re.findall(r"^\| ([\w= ]+) \| ([\w= ]+) \| (.*) \| (.*) \|$",
+                      pairs_part.split("\n## ")[0], re.M)
+    rows = [r for r in rows if r[0] != "feature"]
+    pairs = [frozenset(r[:2]) for r in rows]
+    assert sorted(map(sorted, pairs)) == sorted(
+        map(sorted, map(frozenset, itertools.combinations(features, 2)))), pairs
+    for a, b, result, shown in rows:
+        assert result.startswith(("works", "refused")), (a, b, result)
+        assert "::" in shown, (a, b, shown)
+    for path, name in set(re.findall(r"`([\w/]+\.py)::(\w+)`", page)):
+        source = open(os.path.join(HERE, path)).read()
+        assert re.search(rf"^def {name}\(", source, re.M), f"{path}::{name} does not exist"
