@@ -171,16 +171,8 @@ def _call(directory, what: str, name: str, fn, *args, **kwargs) -> None:
     applied = ("this save may not be complete: the directory's manifest names a complete "
                "checkpoint, this one or the previous" if what == "save"
                else "nothing was loaded on this rank")
-    collective(name, directory, _synchronous(fn), *args, label=f"checkpoint {what} of",
-               applied=applied, **kwargs)
-
-
-def _synchronous(fn):
-    """``fn``, a torch object collective (which takes no ``async_op``), as ``collective()`` calls
-    it: run to its end, returning no ``Work`` to wait for."""
-    def call(*args, async_op=False, **kwargs):
-        fn(*args, **kwargs)
-    return call
+    collective(name, directory, fn, *args, label=f"checkpoint {what} of", applied=applied,
+               **kwargs)
 
 
 def _all_gather_object(value, group, n, directory, what: str, name: str):
