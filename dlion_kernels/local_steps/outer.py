@@ -571,7 +571,9 @@ class _SparseSync:
         d, fragment = self.outer.diloco, self.fragment
         kept, total, size = self.outer.layouts[fragment.index]
         rows = self.gathered.view(self.n, size)
-        headers = rows[:, :_HEADER_BYTES].clone().view(torch.int32).view(self.n, HEADER_WORDS)
+        # contiguous: with one rank the slice keeps the row's stride, which view() refuses
+        headers = rows[:, :_HEADER_BYTES].clone(memory_format=torch.contiguous_format)
+        headers = headers.view(torch.int32).view(self.n, HEADER_WORDS)
         agreement, intra = decision.agreement(), 0
         if agreement is not None:
             headers = agreement(headers.unsqueeze(0)).reshape(-1, HEADER_WORDS)
