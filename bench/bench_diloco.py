@@ -10,8 +10,9 @@ batches) with AdamW inner steps and a sync every H = --sync-every inner steps:
 - torchft-nesterov:  torchft's DiLoCo with outer torch.optim.SGD(lr=0.7, momentum=0.9,
                      nesterov=True), one Manager per replica group and a LighthouseServer in
                      this process (docs/diloco.md says how it is set up)
-- dk-dlion-vote:     dk.DiLoCo(outer="dlion"), mode="vote", votes="binary" (1 bit per parameter
-                     each way)
+- dk-dlion-vote:     dk.DiLoCo(outer="dlion") with its default outer step (error feedback, the
+                     default outer lr), mode="vote", votes="binary" (1 bit per parameter each
+                     way)
 - dk-dlion-average:  the same with mode="average" (2-bit aggregate for two replicas)
 
 Every variant runs in its own launch, the variants alternate, and the whole round is repeated
@@ -264,10 +265,6 @@ def main(argv=None):
         args.d_model, args.layers, args.context, args.eval_windows = 16, 1, 16, 8
     if args.steps % args.sync_every:
         ap.error("--steps must be a multiple of --sync-every (the loss is read after a sync)")
-    if args.dlion_lr is None:
-        from dlion_kernels.local_steps.diloco import DEFAULT_OUTER_LR
-
-        args.dlion_lr = DEFAULT_OUTER_LR["dlion"]
     skipped = {}
     if "torchft-nesterov" in args.variants and importlib.util.find_spec("torchft") is None:
         skipped["torchft-nesterov"] = "torchft is not installed (pip install torchft==0.2.0)"

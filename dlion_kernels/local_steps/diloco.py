@@ -109,9 +109,6 @@ from . import outer_options as options_
 from .outer import ALL_REDUCE, FLAGS  # noqa: F401  (the sync's collectives, by name)
 
 OUTERS = ("dlion", "nesterov", "sparseloco")
-# Nesterov: DiLoCo's values. D-Lion: see the docs (docs/diloco.md, "Choosing outer_lr").
-# SparseLoCo: a plain step on the mean of the sparse contributions (outer_options.py)
-DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7, "sparseloco": 1.0}
 FORMAT = "dlion_kernels.DiLoCo"
 # the name a DiLoCo's state is registered under on a torchft Manager (elastic.py)
 GATE_KEY = "dlion_kernels.DiLoCo"
@@ -210,13 +207,16 @@ class DiLoCo:
     outer: "dlion" (1-bit vote, per-rank outer momentum), "nesterov" (DiLoCo's fp32 all-reduce)
         or "sparseloco" (the SparseLoCo baseline: top-k, 2-bit values, error feedback;
         ``outer_options.py``).
-    outer_options: None (the plain outer step), or for "dlion" a ``DLionOuterOptions`` (error
-        feedback, a per-tensor scale, thresholded ternary votes), for "sparseloco" a
-        ``SparseLoCoOptions``; a dict of their fields works too (``outer_options.py``: the
-        rules, bytes and memory of each).
-    outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's); 1e-2 for D-Lion, whose sign step
-        moves every element by outer_lr per sync: about 0.4 x inner lr x H was best in a sweep
-        (docs/diloco.md, "Choosing outer_lr"), so scale it with your inner lr and H.
+    outer_options: None for the default: for "dlion" error feedback halved at every sync
+        (``DLionOuterOptions(error_feedback=True, ef_decay=0.5)``, the best of the outer steps
+        measured; ``DLionOuterOptions()``, every option off, is the plain 1-bit step), for
+        "sparseloco" ``SparseLoCoOptions()``; a ``DLionOuterOptions`` (error feedback, a
+        per-tensor scale, thresholded ternary votes) or ``SparseLoCoOptions``, or a dict of
+        their fields (``outer_options.py``: the rules, bytes and memory of each).
+    outer_lr: None for the default (``outer_options.default_outer_lr``, from the inner
+        optimizer's lr at construction): 1.1 x inner lr x sqrt(H) for the default D-Lion step
+        (a sign step moves every element by about outer_lr per sync), 0.16 x inner lr x H for
+        the plain one, 0.7 for Nesterov (DiLoCo's), 1 for SparseLoCo.
     outer_betas, outer_weight_decay, mode, votes, backend: D-Lion's (``DistributedLion``'s meaning).
     outer_momentum: Nesterov's mu (DiLoCo's 0.9).
     fragments: P, Streaming DiLoCo's fragments. overlap_steps: tau < H / P, the inner steps an
@@ -327,8 +327,11 @@ class DiLoCo:
             raise ValueError(f"overlap_steps must be < sync_every / fragments = "
                              f"{sync_every // fragments} (an exchange must be applied before "
                              f"the next fragment syncs), got {overlap_steps}")
-        if outer_lr is None:
-            outer_lr = DEFAULT_OUTER_LR[outer]
+        self.outer_options = options_.check(outer, outer_options, votes)
+        if outer_lr is None:  # the inner optimizer's lr as it is now (its first param group)
+            outer_lr = options_.default_outer_lr(outer, self.outer_options,
+                                                 float(inner_optimizer.param_groups[0]["lr"]),
+                                                 sync_every)
         beta1, beta2 = check_hyperparameters(outer_lr, outer_betas, outer_weight_decay)
         if not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool) \
                 or not 0.0 <= outer_momentum < 1.0:
@@ -350,7 +353,6 @@ class DiLoCo:
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
         self.model, self.inner_optimizer = model, inner_optimizer
-        self.outer_options = outer_options  # checked in _place, which knows the sharding
         self.sync_every, self.outer, self.outer_lr = sync_every, outer, float(outer_lr)
         self.outer_betas, self.outer_weight_decay = (beta1, beta2), float(outer_weight_decay)
         self.outer_momentum, self.merge_alpha = float(outer_momentum), float(merge_alpha)
@@ -365,7 +367,6 @@ class DiLoCo:
         self._sharding = sharded.resolve(params, device_mesh, group)
         device = check_params([sharded.own_shard(p) for p in params])
         self.group = self._sharding.replicate if self._sharding is not None else group
-        self.outer_options = options_.check(self.outer, self.outer_options, self.votes)
         if self.manager is not None:
             self._check_replica()
             self.world_size = 1  # the quorum's replicas, at each sync

@@ -175,6 +175,8 @@ def _diloco(strategy: Strategy, model, n: int, s: Settings) -> Built:
     if o.get("error_feedback") or o.get("scale"):  # DLionOuterOptions
         kw["outer_options"] = {k: o[k] for k in ("error_feedback", "scale", "ef_decay") if k in o}
         lr = s.diloco_scaled_lr if o["scale"] else lr
+    elif o["outer"] == "dlion":  # diloco-dlion: the plain 1-bit step, every option off
+        kw["outer_options"] = {}
     diloco = DiLoCo(model, inner, s.sync_every, o["outer"], outer_lr=lr,
                     fragments=s.fragments, **kw)
     last, applied = [0], [None]
