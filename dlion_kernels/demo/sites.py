@@ -135,11 +135,12 @@ def shard(model, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=None) -> None:
+def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=None,
+             ports=None) -> None:
     """One rank of one site (module docstring); one JSON line per inner step and per sync in
     ``out``. ``cfg`` also holds: ``lighthouse``, ``ports`` (per site and start: the site's job
-    store and its Managers' store, both hosted by the caller), ``addr`` and ``hostname`` per
-    site (None: this machine's loopback)."""
+    store and its Managers' store, both hosted by the caller; or ``ports`` given here), ``addr``
+    and ``hostname`` per site (None: this machine's loopback)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -158,7 +159,7 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
     write(event="start")
     L, R = cfg["ranks_per_site"], cfg["replicas"]
     addr = (cfg.get("addr") or {}).get(str(site), "localhost")
-    job_port, manager_port = cfg["ports"][str(site)][1 if restart else 0]
+    job_port, manager_port = ports or cfg["ports"][str(site)][1 if restart else 0]
     if L > 1:
         store = dist.TCPStore(addr, job_port, is_master=False, wait_for_workers=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("site", store), rank=position,
