@@ -16,6 +16,8 @@ later), under torchft's quorum (a Lighthouse in node 0's namespace, a Manager pe
 - dk: ``dk.DiLoCo`` with its default outer step (the 1-bit vote with error feedback, its default
   outer lr), ``fragments=2, overlap_steps=1, manager=`` (``dlion_kernels/demo/sites.py``, the
   demo's own rank);
+- dk-nesterov: the same with ``outer="nesterov"`` (DiLoCo's fp32 all-reduce and Nesterov outer
+  step, lr 0.7, momentum 0.9): the fp32 outer step on the same code path;
 - torchft: ``torchft.local_sgd.DiLoCo`` (0.2.0) with the model cut into 2 fragments (the first
   half of the parameters and the rest, as DiLoCo cuts them), an fp32 all-reduce of each
   fragment's pseudo-gradient through the Manager, ``torch.optim.SGD(lr=0.7, momentum=0.9,
@@ -33,8 +35,9 @@ a site's own ranks talk over the namespace's loopback. ``--rates 0``: no namespa
 Measured per run, from every rank's line per inner step and the links' byte counters:
 
 - site 0's validation loss every ``--eval-every`` fragment syncs, against wall time; the time to
-  reach the target loss, the higher of the two variants' final losses at this rate (a loss both
-  reach), from the first step;
+  reach the target loss, where dk-nesterov (DiLoCo's fp32 Nesterov outer step) ended at this
+  rate (without it, the highest final loss of the variants), from the first step (none: not
+  reached in the run);
 - syncs lost per failure: a survivor's syncs that did not apply (dk: the sync's ``committed``;
   torchft: a sync whose Manager step did not advance);
 - bytes between sites per fragment sync: what node 0's link carried, per sync, over the run
@@ -62,7 +65,7 @@ import bench_elastic as be  # noqa: E402  (the processes' files, the networks, t
 import common  # noqa: E402
 import network  # noqa: E402
 
-VARIANTS = ("dk", "torchft")
+VARIANTS = ("dk", "dk-nesterov", "torchft")
 SITES, RANKS, VICTIM = 3, 2, 2
 
 
@@ -92,7 +95,7 @@ def _site_rank(cfg_path: str, site: int, position: int, restart: bool) -> None:
         be._publish(ports_file, " ".join(str(s.port) for s in stores))
     ports = [int(p) for p in be._published(ports_file).split()]
     out = cfg["out"].format(site=site, position=position)
-    if cfg["variant"] == "dk":
+    if cfg["variant"].startswith("dk"):
         from dlion_kernels.demo import sites
 
         sites.run_rank(cfg, site, position, restart, out, ports=ports)
@@ -233,6 +236,7 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
                d_model=args.d_model, heads=args.heads, layers=args.layers, context=args.context,
                batch_size=args.batch_size, eval_windows=args.eval_windows, iters=args.iters,
                sync_every=args.sync_every, fragments=2, overlap_steps=1, replicas=SITES,
+               outer="nesterov" if variant == "dk-nesterov" else "dlion",
                ranks_per_site=RANKS, min_sites=2, inner_lr=args.inner_lr, outer_lr=None,
                kill_at=args.kill_at, kill_site=VICTIM, restart_at=args.restart_at,
                eval_every=args.eval_every, weight_decay=args.weight_decay, seed=args.seed,
@@ -359,8 +363,12 @@ def summarize(rows) -> list[dict]:
     out = []
     for rate in dict.fromkeys(r["rate_gbps"] for r in rows):
         at = [r for r in rows if r["rate_gbps"] == rate and "failed" not in r]
+        # the target: where DiLoCo's fp32 Nesterov outer step ended (dk-nesterov, the median
+        # of its runs), else the highest final loss (one every variant reached)
+        nesterov = [r["final_val_loss"] for r in at if r["variant"] == "dk-nesterov"
+                    and r["final_val_loss"] is not None]
         finals = [r["final_val_loss"] for r in at if r["final_val_loss"] is not None]
-        target = max(finals) if finals else None  # a loss every variant reached at this rate
+        target = statistics.median(nesterov) if nesterov else max(finals) if finals else None
         for variant in VARIANTS:
             rs = [r for r in at if r["variant"] == variant]
             if not rs:
@@ -381,7 +389,7 @@ def summarize(rows) -> list[dict]:
                             exchange_bytes_per_rank_per_sync=med(
                                 "exchange_bytes_per_rank_per_sync")))
         dk, ft = (next((s for s in out if s["rate_gbps"] == rate and s["variant"] == v), None)
-                  for v in VARIANTS)
+                  for v in ("dk", "torchft"))
         if dk and ft and dk["time_to_target_s"] and ft["time_to_target_s"]:
             dk["torchft_time_ratio"] = ft["time_to_target_s"] / dk["time_to_target_s"]
         if dk and ft and dk.get("link_bytes_node0_per_sync") and ft.get(
@@ -469,8 +477,8 @@ def main(argv=None) -> int:
                             print(f"{label}: failed: {str(e)[-500:]}", flush=True)
                         row.update(rate_gbps=rate, repeat=k)
                         rows.append(row)
-                        print(f"{label}: {json.dumps({k2: v for k2, v in row.items() if k2 != 'curve'})}",
-                              flush=True)
+                        shown = {k2: v for k2, v in row.items() if k2 != "curve"}
+                        print(f"{label}: {json.dumps(shown)}", flush=True)
                         with open(os.path.join(args.out, "sites.json"), "w") as f:
                             json.dump(dict(args=vars(args), rows=rows), f, indent=1)
     summary = summarize(rows)

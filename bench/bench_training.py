@@ -454,7 +454,8 @@ def main(argv=None) -> int:
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
             "veth",
             "torch's bf16_compress_hook refuses gloo (needs NCCL); lion-allreduce-bf16 runs the "
-            "same hook from dlion_kernels/recipes/baselines.py (cast to bf16, all_reduce, cast back)",
+            "same hook from dlion_kernels/recipes/baselines.py (cast to bf16, all_reduce, cast "
+            "back)",
             f"uptime before: {up_before}; after: {up_now}",
         ]
         if not final:

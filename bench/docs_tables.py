@@ -22,7 +22,6 @@ import io
 import json
 import os
 import re
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -68,7 +68,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .exchange.collectives import DistributedStepError
 from .exchange.pipeline import StepAbortedError
@@ -257,6 +256,7 @@ class Gate:
         manager.register_state_dict_fn(key, self._load, self._save)
         self._finalizer = weakref.finalize(owner, _unregister, weakref.ref(manager), key,
                                            weakref.ref(self))
+        self.closed = False  # close(): the owner steps no more through this gate
         self.opened = False  # this step's quorum was asked for
         self.joined = False  # ... and waited for (the turn's collectives may run)
         self.ahead = None  # a quorum asked ahead, running in the background (_Background)
@@ -270,6 +270,7 @@ class Gate:
         # committed here without a heal. After a heal that came late, wait for the quorum at
         # zero_grad() for a while, twice as long each time
         self.current, self.sync_left, self.backoff = False, 0, 0
+        self.step, self.error = 0, {}  # the turn's step and its words for a failed commit
 
     @property
     def owner(self):
@@ -280,8 +281,6 @@ class Gate:
         owner's later steps raise."""
         self._finalizer()
         self.closed = True
-
-    closed = False
 
     # ------------------------------------------------------------------------- open
 
@@ -361,8 +360,7 @@ class Gate:
             self.committed = bool(self.manager.should_commit()) and self.failure is None
         except Exception as e:  # torchft's client: a timeout, or its ManagerServer gone
             raise DistributedStepError(
-                getattr(self, "step", 0), "should_commit", f"{type(e).__name__}: {e}",
-                **getattr(self, "error", {}),
+                self.step, "should_commit", f"{type(e).__name__}: {e}", **self.error,
                 advice="If that peer is a rank of this replica, the replica cannot go on: "
                        "restart all its ranks; they heal from a live replica, and the other "
                        "replicas keep training meanwhile.") from e
@@ -463,13 +461,6 @@ class Gate:
                 for t in state.private:
                     t.zero_()
         state.set_counters(saved["counters"])
-
-
-def replica_rank_and_size(group) -> tuple[int, int]:
-    """This rank's position in its replica's group and the replica's size (1, 0 without one)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 __all__ = ["DEFAULT_HEAL_MOMENTUM", "Gate", "HEAL_MOMENTUM", "HealState", "ManagerGroup",

@@ -219,6 +219,18 @@ def replica_manager(replica_id: str, lighthouse_addr: str, *, rank: int = 0,
     return manager
 
 
+def log_to(path: str) -> None:
+    """Send this process's stdout and stderr to ``path`` (appended): a replica's logs (torchft's
+    quorum and checkpoint-server lines, its warnings) stay out of a demo's report, and are kept
+    for when a replica fails."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def end_replica(manager, leave: bool = True) -> None:
     """A replica's clean end: its Manager shut down without waiting and, with ``leave``, the
     process ended at once (torchft's threads would hold it; stdout and stderr are flushed)."""

@@ -103,15 +103,15 @@ def _example(rank, n, code, name, port, folder, env, out, replica, per_node):
 def run_example(code: str, name: str, n: int = 2, env: dict | None = None,
                 replicas: bool = False, per_node: int | None = None) -> list[dict]:
     """The example on n ranks in nodes of ``per_node`` (default: one node of n; ``replicas``: n
-    torchft replicas of one rank each, under a Lighthouse started here); its facts per rank. AssertionError with every failed rank's
-    traceback when it raised anywhere (the other ranks are killed at once), or when a rank
-    left nothing within ``TIMEOUT_S``."""
+    torchft replicas of one rank each, under a Lighthouse started here); its facts per rank.
+    AssertionError with every failed rank's traceback when it raised anywhere (the other ranks
+    are killed at once), or when a rank left nothing within ``TIMEOUT_S``."""
     env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
     lighthouse = None
     if replicas:
-        from torchft.coordination import LighthouseServer
+        from dlion_kernels import launch
 
-        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=10000)
+        lighthouse = launch.lighthouse(min_replicas=n, join_timeout_ms=10000)
         env.update(TORCHFT_LIGHTHOUSE=lighthouse.address())
     try:
         return _run(code, name, n, env, replicas, per_node)

@@ -517,7 +517,8 @@ def test_no_log_words_in_prose(page):
 NOTE_FILES = sorted({n for p in PAGES for n in linked_notes(p.read_text())})
 
 
-@pytest.mark.parametrize("path", NOTE_FILES, ids=[p.relative_to(ROOT).as_posix() for p in NOTE_FILES])
+@pytest.mark.parametrize("path", NOTE_FILES,
+                         ids=[p.relative_to(ROOT).as_posix() for p in NOTE_FILES])
 def test_no_log_words_in_linked_results_notes(path):
     assert prose_words(path.read_text()) == []
 

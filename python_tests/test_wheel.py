@@ -35,7 +35,8 @@ def step(rank, n):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 10)
     opt = dk.DistributedLion(model.parameters(), lr=1e-3, backend="cpu")
-    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
     opt.step()
     return opt.last_stats.bytes_sent, opt.last_stats.backend, model.weight.sum().item()
 

@@ -155,6 +155,7 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
     from dlion_kernels.optim.dlion import DistributedLion
 
     torch.set_num_threads(1)
+    launch.log_to(path + ".log")  # torchft's lines and warnings stay out of the report
     if go is not None:
         go.wait()
     lines = open(path, "a")
@@ -269,7 +270,9 @@ def run(args) -> dict:
                 p.join(timeout=600)
             codes = [p.exitcode for p in procs]
             if codes != [0] * args.replicas:
-                raise RuntimeError(f"replicas ended with exit codes {codes}")
+                tails = "".join(f"replica {i}:\n{open(p + '.log').read()[-2000:]}\n"
+                                for i, p in enumerate(path) if os.path.exists(p + ".log"))
+                raise RuntimeError(f"replicas ended with exit codes {codes}\n{tails}")
         finally:
             for p in procs + ([restart] if restart else []):
                 if p.is_alive():

@@ -148,6 +148,8 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
     from dlion_kernels.local_steps.diloco import DiLoCo
 
     torch.set_num_threads(1)
+    if cfg.get("logs"):  # the demo's report only on the terminal (the logs: kept on failure)
+        launch.log_to(out + ".log")
     if go is not None:
         go.wait()
     lines = open(out, "a")
@@ -178,8 +180,8 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
     inner = torch.optim.AdamW(model.parameters(), lr=cfg["inner_lr"],
                               weight_decay=cfg["weight_decay"])
     diloco = DiLoCo(model, inner, sync_every=cfg["sync_every"], fragments=cfg["fragments"],
-                       overlap_steps=cfg["overlap_steps"], outer_lr=cfg["outer_lr"],
-                       manager=manager)
+                    overlap_steps=cfg["overlap_steps"], outer=cfg.get("outer", "dlion"),
+                    outer_lr=cfg["outer_lr"], manager=manager)
     write(event="ready")
     if not restart:  # the first syncs together: a site late past the join timeout would
         others = [cfg["out"].format(site=r, position=q) for r in range(R) for q in range(L)]
@@ -192,9 +194,9 @@ def run_rank(cfg: dict, site: int, position: int, restart: bool, out: str, go=No
     while True:
         t = diloco.inner_step + 1
         started = time.perf_counter()
-        x, y = chars.batch(train, chars.train_starts(len(train), cfg["seed"], t, site * L + position,
-                                                     R * L, cfg["batch_size"], cfg["context"]),
-                           cfg["context"])
+        share = chars.train_starts(len(train), cfg["seed"], t, site * L + position, R * L,
+                                   cfg["batch_size"], cfg["context"])
+        x, y = chars.batch(train, share, cfg["context"])
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         inner.step()
@@ -248,6 +250,7 @@ def run(args) -> dict:
     events: dict = {}
     with tempfile.TemporaryDirectory(prefix="dlion-sites-") as tmp:
         cfg["out"] = os.path.join(tmp, "site{site}-rank{position}.jsonl")
+        cfg["logs"] = True
         path = {(r, q): cfg["out"].format(site=r, position=q) for r in range(R)
                 for q in range(L)}
         procs = {(r, q): ctx.Process(target=run_rank, args=(cfg, r, q, False, path[(r, q)]))
@@ -286,7 +289,8 @@ def run(args) -> dict:
                 p.join(timeout=900)
             codes = {k: p.exitcode for k, p in procs.items()}
             if any(c != 0 for c in codes.values()):
-                raise RuntimeError(f"site ranks ended with exit codes {codes}")
+                raise RuntimeError(f"site ranks ended with exit codes {codes}\n"
+                                   + _log_tails(path))
         finally:
             for p in [*procs.values(), *restarts.values()]:
                 if p.is_alive():
@@ -296,6 +300,15 @@ def run(args) -> dict:
         wall = time.time() - start
         records = {k: read_records(v) for k, v in path.items()}
     return summarize(records, args, events, wall)
+
+
+def _log_tails(path) -> str:
+    tails = []
+    for (r, q), p in path.items():
+        if os.path.exists(p + ".log"):
+            with open(p + ".log") as f:
+                tails.append(f"site {r} rank {q}:\n{f.read()[-2000:]}")
+    return "\n".join(tails)
 
 
 def _wait(condition, procs, limit=900.0) -> None:

@@ -86,7 +86,6 @@ import torch
 import torch.distributed as dist
 
 from .. import elastic
-from ..accounting import gossip_bytes_per_step
 from ..elastic import DEFAULT_HEAL_MOMENTUM
 from ..exchange import agree, sharded
 from ..exchange.checks import check_hyperparameters, check_options, check_params
