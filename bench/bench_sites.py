@@ -359,16 +359,22 @@ def time_to(curve, target):
     return next((t for t, _, loss in curve if loss <= target), None)
 
 
+TARGETS = ("dk-nesterov", "torchft", "dk")  # the final losses the times are measured to
+
+
 def summarize(rows) -> list[dict]:
+    """Per rate and variant: the medians of its runs, and the time it took to reach each
+    variant's final loss at this rate (the median of that variant's runs; None: not reached in
+    the run), with torchft's time to it over this one's."""
     out = []
     for rate in dict.fromkeys(r["rate_gbps"] for r in rows):
         at = [r for r in rows if r["rate_gbps"] == rate and "failed" not in r]
-        # the target: where DiLoCo's fp32 Nesterov outer step ended (dk-nesterov, the median
-        # of its runs), else the highest final loss (one every variant reached)
-        nesterov = [r["final_val_loss"] for r in at if r["variant"] == "dk-nesterov"
-                    and r["final_val_loss"] is not None]
-        finals = [r["final_val_loss"] for r in at if r["final_val_loss"] is not None]
-        target = statistics.median(nesterov) if nesterov else max(finals) if finals else None
+        targets = {}
+        for v in TARGETS:
+            finals = [r["final_val_loss"] for r in at if r["variant"] == v
+                      and r["final_val_loss"] is not None]
+            if finals:
+                targets[v] = statistics.median(finals)
         for variant in VARIANTS:
             rs = [r for r in at if r["variant"] == variant]
             if not rs:
@@ -378,36 +384,40 @@ def summarize(rows) -> list[dict]:
                 vals = [r[key] for r in rs if r.get(key) is not None]
                 return statistics.median(vals) if vals else None
 
-            reach = [time_to(r["curve"], target) for r in rs]
-            reach = [t for t in reach if t is not None]
-            out.append(dict(rate_gbps=rate, variant=variant, runs=len(rs), target_loss=target,
-                            time_to_target_s=statistics.median(reach) if reach else None,
-                            final_val_loss=med("final_val_loss"), wall_s=med("wall_s"),
-                            inner_step_ms=med("inner_step_ms"),
-                            syncs_lost=max(r["syncs_lost"] for r in rs), heal_s=med("heal_s"),
-                            link_bytes_node0_per_sync=med("link_bytes_node0_per_sync"),
-                            exchange_bytes_per_rank_per_sync=med(
-                                "exchange_bytes_per_rank_per_sync")))
-        dk, ft = (next((s for s in out if s["rate_gbps"] == rate and s["variant"] == v), None)
-                  for v in ("dk", "torchft"))
-        if dk and ft and dk["time_to_target_s"] and ft["time_to_target_s"]:
-            dk["torchft_time_ratio"] = ft["time_to_target_s"] / dk["time_to_target_s"]
-        if dk and ft and dk.get("link_bytes_node0_per_sync") and ft.get(
-                "link_bytes_node0_per_sync"):
-            dk["link_bytes_ratio"] = dk["link_bytes_node0_per_sync"] / \
-                ft["link_bytes_node0_per_sync"]
+            row = dict(rate_gbps=rate, variant=variant, runs=len(rs),
+                       final_val_loss=med("final_val_loss"), wall_s=med("wall_s"),
+                       inner_step_ms=med("inner_step_ms"),
+                       syncs_lost=max(r["syncs_lost"] for r in rs), heal_s=med("heal_s"),
+                       link_bytes_node0_per_sync=med("link_bytes_node0_per_sync"),
+                       exchange_bytes_per_rank_per_sync=med(
+                           "exchange_bytes_per_rank_per_sync"))
+            for v, target in targets.items():
+                reach = [t for t in (time_to(r["curve"], target) for r in rs) if t is not None]
+                row[f"to_{v}_s"] = statistics.median(reach) if reach else None
+            out.append(row)
+        ft = next((s for s in out if s["rate_gbps"] == rate and s["variant"] == "torchft"), None)
+        for s in out:
+            if s["rate_gbps"] != rate or ft is None or s is ft:
+                continue
+            for v in targets:
+                if s.get(f"to_{v}_s") and ft.get(f"to_{v}_s"):
+                    s[f"torchft_ratio_to_{v}"] = ft[f"to_{v}_s"] / s[f"to_{v}_s"]
+            if s.get("link_bytes_node0_per_sync") and ft.get("link_bytes_node0_per_sync"):
+                s["link_bytes_ratio"] = s["link_bytes_node0_per_sync"] / \
+                    ft["link_bytes_node0_per_sync"]
     return out
 
 
 COLUMNS = [("rate_gbps", "Gbit/s"), ("variant", "variant"), ("runs", "runs"),
-           ("target_loss", "target loss", ".4f"),
-           ("time_to_target_s", "time to target (s)", ".1f"),
-           ("torchft_time_ratio", "torchft's time / this", ".1f"),
            ("final_val_loss", "final val loss", ".4f"), ("wall_s", "wall (s)", ".1f"),
+           ("to_dk-nesterov_s", "s to Nesterov's final loss", ".1f"),
+           ("to_torchft_s", "s to torchft's final loss", ".1f"),
+           ("torchft_ratio_to_torchft", "torchft's time to it / this", ".1f"),
+           ("to_dk_s", "s to dk's final loss", ".1f"),
            ("inner_step_ms", "ms / inner step", ".0f"),
            ("syncs_lost", "syncs lost (1 failure)"), ("heal_s", "time to heal (s)", ".1f"),
            ("link_bytes_node0_per_sync", "node 0 link bytes / sync", ",.0f"),
-           ("link_bytes_ratio", "this / torchft's link bytes", ".4f"),
+           ("link_bytes_ratio", "this / torchft's link bytes", ".3f"),
            ("exchange_bytes_per_rank_per_sync", "exchange bytes / rank / sync", ",.0f")]
 
 
@@ -440,7 +450,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", nargs=3, metavar=("CFG", "SITE", "POSITION"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--summarize", metavar="FOLDER",
+                    help="write FOLDER/summary.md again from its sites.json (no run)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(os.path.join(args.summarize, "sites.json")) as f:
+            data = json.load(f)
+        data["summary"] = summarize(data["rows"])
+        text = common.markdown_table(data["summary"], COLUMNS)
+        with open(os.path.join(args.summarize, "summary.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.summarize, "sites.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        print(text)
+        return 0
     if args.lighthouse:
         be._lighthouse(args.lighthouse)
         return 0

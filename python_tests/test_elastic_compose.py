@@ -21,7 +21,8 @@ Replicas of two ranks (each its own gloo job):
 - ``hierarchy``: ``DistributedLion(hierarchy=2)``: the replica is the node;
 - ``fsdp``: FSDP2 over the replica's ranks, ``DistributedLion``;
 - ``diloco-fsdp``: FSDP2 over the replica's ranks, ``DiLoCo`` with its default outer step,
-  2 fragments streamed.
+  2 fragments streamed; ``diloco-fsdp-nesterov``: the same with the fp32 Nesterov outer step
+  (its decision over the replica's ranks from the all-reduce's words).
 
 What elastic training does when a replica dies is ``test_elastic.py``'s and
 ``test_elastic_fsdp.py``'s (and the demo's).
@@ -42,7 +43,7 @@ from dlion_kernels import launch  # noqa: E402
 REPLICAS = 2
 ONE = ["overlap", "scaler", "diloco-ef", "diloco-sparse", "diloco-stream", "ckpt-lion",
        "ckpt-diloco"]
-TWO = ["hierarchy", "fsdp", "diloco-fsdp"]
+TWO = ["hierarchy", "fsdp", "diloco-fsdp", "diloco-fsdp-nesterov"]
 STEPS = 8  # a case's steps (DiLoCo: inner steps)
 SAVE_AT = {"ckpt-lion": 3, "ckpt-diloco": 6}  # steps taken at the save (DiLoCo: one in flight)
 
@@ -103,7 +104,7 @@ def run_case(case: str, replica: int, position: int, manager=None, tmp=None):
     plain = manager is None
     elastic = {} if plain else {"manager": manager}
     model = _model()
-    if case in ("fsdp", "diloco-fsdp"):
+    if case in ("fsdp", "diloco-fsdp", "diloco-fsdp-nesterov"):
         mesh2d = None
         if plain:
             from torch.distributed.device_mesh import init_device_mesh
@@ -185,7 +186,9 @@ def _diloco_case(case, model, replica, position, manager, elastic, tmp):
                   outer_options=dk.SparseLoCoOptions(chunk=64, topk=8))
     else:  # 2 fragments, streamed
         kw.update(fragments=2, overlap_steps=1)
-    inner = torch.optim.AdamW(params, lr=1e-2) if case == "diloco-fsdp" else \
+    if case == "diloco-fsdp-nesterov":
+        kw.update(outer="nesterov", outer_lr=0.7)
+    inner = torch.optim.AdamW(params, lr=1e-2) if case.startswith("diloco-fsdp") else \
         torch.optim.SGD(params, lr=0.05, momentum=0.5)
     diloco = dk.DiLoCo(model, inner, **kw, **elastic)
     first, stop = _checkpoint(case, replica, tmp, model, diloco, inner)
