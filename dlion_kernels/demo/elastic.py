@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from dlion_kernels import launch
+from dlion_kernels.elastic import DEFAULT_HEAL_MOMENTUM, HEAL_MOMENTUM
 from dlion_kernels.kernels.layout import (
     HEADER_WORDS,
     aggregate_planes,
@@ -89,8 +90,9 @@ def add_args(ap) -> None:
                     help="--elastic: the replica --kill-at kills (default the last)")
     ap.add_argument("--restart-at", type=int, default=None, metavar="S",
                     help="--elastic: restart the killed replica once the others committed step S")
-    ap.add_argument("--heal-momentum", choices=("own", "peer", "zero"), default="own",
-                    help="--elastic: the healed replica's momentum (default own)")
+    ap.add_argument("--heal-momentum", choices=HEAL_MOMENTUM, default=DEFAULT_HEAL_MOMENTUM,
+                    help=f"--elastic: the healed replica's momentum (default "
+                    f"{DEFAULT_HEAL_MOMENTUM})")
     ap.add_argument("--eval-every", type=int, default=10, metavar="E",
                     help="--elastic: replica 0's validation loss every E steps (default 10)")
     ap.add_argument("--join-timeout-ms", type=int, default=5000, metavar="MS",
