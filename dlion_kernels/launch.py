@@ -233,7 +233,13 @@ def log_to(path: str) -> None:
 
 def end_replica(manager, leave: bool = True) -> None:
     """A replica's clean end: its Manager shut down without waiting and, with ``leave``, the
-    process ended at once (torchft's threads would hold it; stdout and stderr are flushed)."""
+    process ended at once (torchft's threads would hold it; stdout and stderr are flushed).
+
+    The ranks of a replica of several meet first on the default process group (the ranks of
+    this replica): its rank 0 serves the replica's Manager, and a rank still waiting for the
+    answer to its last commit would see the connection drop as a transport error."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     manager.shutdown(wait=False)
     if leave:
         sys.stdout.flush()

@@ -269,7 +269,7 @@ def _replica_rank(cases, replica, position, ranks, house, ports, tmp, out) -> No
             results[case] = run_case(case, replica, position, manager, tmp)
             if case == cases[-1] and ranks == 1 and replica == 0 and "overlap" in cases:
                 _refuse_ddp_hook(manager)
-            manager.shutdown(wait=False)
+            launch.end_replica(manager, leave=False)  # the replica's ranks meet first
         torch.save(results, out)
     except BaseException:
         import traceback

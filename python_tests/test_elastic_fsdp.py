@@ -207,7 +207,7 @@ def _rank(replica, position, lighthouse, store_port, kill, check, out, go=None) 
         if record["n"] < REPLICAS:
             time.sleep(0.02)  # waiting for the restart: leave it the CPU
     lines.close()
-    os._exit(0)  # torchft's threads: leave at once
+    launch.end_replica(manager)  # the replica's ranks meet, then leave at once
 
 
 def _run(tmp_path, killed: int) -> tuple[dict, dict, float, dict]:
