@@ -10,8 +10,9 @@ batches) with AdamW inner steps and a sync every H = --sync-every inner steps:
 - torchft-nesterov:  torchft's DiLoCo with outer torch.optim.SGD(lr=0.7, momentum=0.9,
                      nesterov=True), one Manager per replica group and a LighthouseServer in
                      this process (docs/diloco.md says how it is set up)
-- dk-dlion-vote:     dk.DiLoCo(outer="dlion"), mode="vote", votes="binary" (1 bit per parameter
-                     each way)
+- dk-dlion-vote:     dk.DiLoCo(outer="dlion") with its default outer step (error feedback, the
+                     default outer lr), mode="vote", votes="binary" (1 bit per parameter each
+                     way)
 - dk-dlion-average:  the same with mode="average" (2-bit aggregate for two replicas)
 
 Every variant runs in its own launch, the variants alternate, and the whole round is repeated
@@ -32,11 +33,9 @@ bench/results/diloco-torchft-<timestamp>/ or --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -108,31 +107,24 @@ def _dk_rank(rank, n, args, variant):
     return dict(_train(rank, args, chars, data, model, inner, after_step), bytes_per_sync=sent)
 
 
-def _torchft_rank(replica, args, lighthouse, port, out_dir):
+def _torchft_rank(replica, args, lighthouse, out_dir):
     """One replica group of torchft's DiLoCo (its own process, not in any gloo group of ours)."""
     path = os.path.join(out_dir, f"replica{replica}.pt")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum log: a few lines per sync
     try:
         from torchft.local_sgd import DiLoCo
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
+        from dlion_kernels import launch
         from dlion_kernels.accounting import ring_all_reduce_bytes
 
         chars, data, model, inner = _setup(args)
-        # the Manager connects to its replica group's store; rank 0 of the group creates it
-        store = torch.distributed.TCPStore("localhost", port, is_master=True,
-                                           wait_for_workers=False)
-        timeout = datetime.timedelta(seconds=120)
-        manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=N,
-                          use_async_quorum=False, load_state_dict=model.load_state_dict,
-                          state_dict=model.state_dict, replica_id=str(replica),
-                          store_addr="localhost", store_port=port, rank=0, world_size=1,
-                          lighthouse_addr=lighthouse, timeout=timeout, quorum_timeout=timeout,
-                          # the replicas start from the same seeded weights; init_sync=True
-                          # (the default) would heal one replica from the other at the first
-                          # quorum, i.e. at DiLoCo's first sync, after H local steps
-                          init_sync=False)
+        manager = launch.replica_manager(
+            str(replica), lighthouse, min_replica_size=N, load_state_dict=model.load_state_dict,
+            state_dict=model.state_dict, timeout=120.0, quorum_timeout=120.0,
+            # the replicas start from the same seeded weights; init_sync=True (the default)
+            # would heal one replica from the other at the first quorum, i.e. at DiLoCo's
+            # first sync, after H local steps
+            init_sync=False)
         handed = []  # bytes of the tensors handed to the all-reduce, per sync
         allreduce = manager.allreduce
 
@@ -149,7 +141,6 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
         res["bytes_per_sync"] = [round(ring_all_reduce_bytes(N, per_sync))] * syncs
         res["manager_step"] = manager.current_step()
         manager.shutdown(wait=False)
-        del store
         result = ("ok", res)
     except BaseException:
         result = ("error", traceback.format_exc())
@@ -158,22 +149,15 @@ def _torchft_rank(replica, args, lighthouse, port, out_dir):
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_torchft(args) -> list:
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
+    from dlion_kernels import launch
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=N)
+    lighthouse = launch.lighthouse(min_replicas=N)
     ctx = mp.get_context("spawn")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             procs = [ctx.Process(target=_torchft_rank,
-                                 args=(r, args, lighthouse.address(), _free_port(), tmp))
+                                 args=(r, args, lighthouse.address(), tmp))
                      for r in range(N)]
             for p in procs:
                 p.start()
@@ -281,10 +265,6 @@ def main(argv=None):
         args.d_model, args.layers, args.context, args.eval_windows = 16, 1, 16, 8
     if args.steps % args.sync_every:
         ap.error("--steps must be a multiple of --sync-every (the loss is read after a sync)")
-    if args.dlion_lr is None:
-        from dlion_kernels.local_steps.diloco import DEFAULT_OUTER_LR
-
-        args.dlion_lr = DEFAULT_OUTER_LR["dlion"]
     skipped = {}
     if "torchft-nesterov" in args.variants and importlib.util.find_spec("torchft") is None:
         skipped["torchft-nesterov"] = "torchft is not installed (pip install torchft==0.2.0)"

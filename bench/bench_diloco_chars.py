@@ -182,7 +182,7 @@ def _worker(cfg_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from dlion_kernels import build as b
+    from dlion_kernels import recipes as b
     from dlion_kernels.demo import chars
 
     with open(cfg_path) as f:

@@ -154,13 +154,12 @@ def _forward(net, cfg, step: int, index: int):
 
 def _lighthouse(cfg_path: str) -> None:
     """The Lighthouse of one run, in node 0's namespace; writes its port, serves until killed."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
+    from dlion_kernels import launch
 
     with open(cfg_path) as f:
         cfg = json.load(f)
-    house = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"],
-                             quorum_tick_ms=cfg["quorum_tick_ms"])
+    house = launch.lighthouse(min_replicas=2, join_timeout_ms=cfg["join_timeout_ms"],
+                              quorum_tick_ms=cfg["quorum_tick_ms"])
     port = house.address().rsplit(":", 1)[1]
     _publish(cfg["lighthouse_file"], f"http://{cfg['addrs'][0]}:{port}")
     signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -172,14 +171,11 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     cfg, lines, write = _begin(cfg_path, index)
     addr = cfg["addrs"][index]
-    from datetime import timedelta
-
     import torch
     import torch._dynamo  # noqa: F401  (what torch.optim loads at a first step: not in the heal)
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
+    from dlion_kernels import launch
     from dlion_kernels.demo.elastic import end_replica, read_records
 
     if restart:
@@ -188,8 +184,6 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
     lighthouse = _published(cfg["lighthouse_file"])
     model = _model(cfg)
     params = list(model.parameters())
-    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=cfg["timeout"])
     ddp = cfg["variant"].startswith("torchft")
     state = {}
     if ddp:
@@ -199,12 +193,10 @@ def _replica(cfg_path: str, index: int, restart: bool) -> None:
         def load(sd):
             model.load_state_dict(sd["model"])
             state["inner"].load_state_dict(sd["optim"])
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load if ddp else None,
-                      state_dict=save if ddp else None, min_replica_size=2,
-                      use_async_quorum=False, replica_id=f"replica{index}", store_addr=addr,
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                      hostname=addr, timeout=timeout, quorum_timeout=timedelta(seconds=300),
-                      connect_timeout=timeout)
+    manager = launch.replica_manager(f"replica{index}", lighthouse, addr=addr,
+                                     load_state_dict=load if ddp else None,
+                                     state_dict=save if ddp else None, min_replica_size=2,
+                                     hostname=addr, timeout=cfg["timeout"], quorum_timeout=300.0)
     buckets = []
     if ddp:
         from torchft.optim import OptimizerWrapper
@@ -480,6 +472,31 @@ def measure(variant, records, go_t, args) -> dict:
         return out
 
     three, two = intervals(3), intervals(2)
+    # the 3-replica steps apart: before the kill, and after the restarted replica's first
+    # committed step (its process new, its state healed)
+    kill_i = next((i for i, r in enumerate(r0) if not r["committed"]), len(r0))
+    healed_t = None if go_t is None else next(
+        (r["t"] for r in records[VICTIM] if r.get("committed") and r["t"] >= go_t), None)
+
+    def phase(rs):
+        return [b["t"] - a["t"] for a, b in zip(rs, rs[1:])
+                if a["committed"] and b["committed"] and a["n"] == b["n"] == 3
+                and a["step"] >= args.warmup]
+
+    before = phase(r0[:kill_i])
+    after_heal = [] if healed_t is None else phase([r for r in r0 if r["t"] >= healed_t])
+
+    def split(rs, key):
+        vals = [r[key] for r in rs if key in r and r["committed"] and r["n"] == 3]
+        return statistics.median(vals) if vals else None
+
+    healed_rs = [] if healed_t is None else [r for r in r0 if r["t"] >= healed_t]
+    phases = dict(
+        ms_per_step_3_before=1e3 * statistics.median(before) if before else None,
+        ms_per_step_3_after_heal=1e3 * statistics.median(after_heal) if after_heal else None,
+        intervals_3_before=len(before), intervals_3_after_heal=len(after_heal),
+        **{f"{k}_before": split(r0[:kill_i], k) for k in ("quorum_ms", "compute_ms", "step_ms")},
+        **{f"{k}_after_heal": split(healed_rs, k) for k in ("quorum_ms", "compute_ms", "step_ms")})
     # where rank 0's 3-replica steps go: the quorum (zero_grad) and the exchange with the commit
     # decision (step); the rest is forward, backward and the records
     settled = [r for r in r0 if r["committed"] and r["n"] == 3 and r["step"] >= args.warmup]
@@ -504,7 +521,7 @@ def measure(variant, records, go_t, args) -> dict:
                 heal_s=None if first is None else first["t"] - go_t,
                 ready_s=None if ready is None else ready - go_t,
                 first_vote_step=None if first is None else first["step"],
-                bytes_per_step_3=sent.get(3), bytes_per_step_2=sent.get(2),
+                bytes_per_step_3=sent.get(3), bytes_per_step_2=sent.get(2), **phases,
                 wall_s=(r0[-1]["t"] - r0[0]["t"]) if r0 else None,
                 curve=[(r["t"] - r0[0]["t"], r["step"], r["n"], r["committed"]) for r in r0])
 
@@ -531,6 +548,10 @@ def summarize(rows) -> list[dict]:
             out.append(dict(rate_gbps=rate, variant=variant, runs=len(rs),
                             ms_per_step_3=med("ms_per_step_3"),
                             ms_per_step_2=med("ms_per_step_2"),
+                            ms_per_step_3_before=med("ms_per_step_3_before"),
+                            ms_per_step_3_after_heal=med("ms_per_step_3_after_heal"),
+                            **{f"{k}_{p}": med(f"{k}_{p}") for p in ("before", "after_heal")
+                               for k in ("quorum_ms", "compute_ms", "step_ms")},
                             quorum_ms_3=med("quorum_ms_3"), compute_ms_3=med("compute_ms_3"),
                             step_call_ms_3=med("step_call_ms_3"),
                             steps_lost=max((r["steps_lost"] for r in rs
@@ -581,6 +602,8 @@ def report(summary) -> str:
 COLUMNS = [("rate_gbps", "Gbit/s"), ("variant", "variant"), ("runs", "runs"),
            ("ms_per_step_3", "ms / committed step, 3 replicas", ".0f"),
            ("ms_per_step_2", "ms / committed step, 2 survivors", ".0f"),
+           ("ms_per_step_3_before", "3 replicas before the kill", ".0f"),
+           ("ms_per_step_3_after_heal", "3 replicas after the heal", ".0f"),
            ("quorum_ms_3", "quorum, 3 replicas (ms)", ".0f"),
            ("compute_ms_3", "forward and backward (ms)", ".0f"),
            ("step_call_ms_3", "step() (ms)", ".0f"),

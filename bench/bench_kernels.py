@@ -13,6 +13,19 @@ and bf16, flat tensors of ``--sizes`` elements and the 148 tensors of GPT-2 124M
 - ``step``                  local_step + tally(n=1) + apply, vote/binary: a whole D-Lion step
                             without communication
 
+and on the GPU, at the ``--graph-sizes`` (default 1M, where a step is bound by its launches):
+
+- ``step graph``            the same three stages captured once in a CUDA graph and replayed
+                            (the step counter on the device): the kernels' own time
+- ``fused_dlion_step``      the library's whole step on one rank (``nonfinite="skip"``, the step
+                            counter on the device): check, stages, header, decision, as launched
+                            from Python
+- ``fused_dlion_step graph`` that step captured in a CUDA graph and replayed: what a training
+                            loop that captures its step pays
+- ``step kernels``, ``fused_dlion_step kernels``: the sum of the device durations of each one's
+                            kernels (torch's profiler): the time no launch overhead is added to.
+                            Targets: each graph row within 1.5x its kernels' time
+
 and, as peers of ``step`` on the same tensors (x and g of the dtype, m fp32):
 
 - ``lion-pytorch triton``   ``lion_pytorch.triton.update_fn``, one launch per tensor (CUDA only)
@@ -34,6 +47,7 @@ Bytes each variant must move, per element (xs, gs = bytes of the parameter / gra
 | apply avg/bin n=8  | 2 xs + gs + 8 + P/8, P = 4               | 20.5    | 14.5      |
 | apply avg/ter n=8  | 2 xs + gs + 8 + P/8, P = 5               | 20.625  | 14.625    |
 | step (vote/binary) | local_step + tally(1, 1, 1) + apply(1)   | 28.5    | 20.5      |
+| step graph, fused_dlion_step (graph) | counted as ``step``     | 28.5    | 20.5      |
 | Lion peers         | x 2 xs + g gs + m 8 (one fused pass)     | 20      | 14        |
 | unfused sign-pack  | counted as ``step`` (same algorithm)     | 28.5    | 20.5      |
 
@@ -89,6 +103,9 @@ GPU_SIZES = "1M,4M,16M,64M,256M,1G"
 LR, WD, BETAS = 1e-4, 0.1, (0.9, 0.99)
 N_TALLY = 8  # vote vectors of the tally and average-apply rows
 CPU_TARGET, GPU_TARGET, GPT2_SPEEDUP = 0.70, 0.90, 3.0
+GRAPH_TARGET = 1.5  # a captured whole step within this factor of its kernels' time
+GRAPH_OPS = ["step kernels", "step graph", "fused_dlion_step kernels", "fused_dlion_step",
+             "fused_dlion_step graph"]
 
 PEER_LION = "lion-pytorch triton"
 PEER_FOREACH = "foreach lion (timm)"
@@ -146,7 +163,7 @@ def bytes_per_elt(op: str, dtype: torch.dtype) -> float:
         return accounting.apply_bytes(xs, gs, avg)
     if op == "apply avg/ter n=8":
         return accounting.apply_bytes(xs, gs, ter)
-    if op in ("step", PEER_UNFUSED):
+    if op in ("step", PEER_UNFUSED, *GRAPH_OPS):
         return (accounting.local_step_bytes(gs) + accounting.tally_bytes()
                 + accounting.apply_bytes(xs, gs))
     if op in (PEER_LION, PEER_FOREACH):
@@ -362,6 +379,65 @@ def stage_fns(be, w: Workload) -> dict:
             "apply avg/ter n=8": apply_avg_ter, "step": step}
 
 
+def graphed(fn, warmup: int = 3):
+    """``fn`` captured in a CUDA graph after ``warmup`` calls on a side stream (which build the
+    launch tables); returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def kernel_seconds(fn, reps: int = 20) -> float:
+    """Seconds per call of ``fn`` spent in device kernels (and copies): the sum of their
+    durations, from torch's profiler, without the gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.key_averages():
+        total_us += (getattr(e, "self_device_time_total", None)
+                     or getattr(e, "self_cuda_time_total", 0) or 0)
+    return total_us / 1e6 / reps
+
+
+def graph_fns(name, be, w: Workload) -> dict:
+    """The GPU rows of one backend at a ``--graph-sizes`` size: the three stages and the
+    library's whole step, launched from Python and replayed from a CUDA graph. The step counter
+    is an int64 tensor on the device, as a captured step needs."""
+    import dlion_kernels as dk
+
+    b1, b2 = BETAS
+    counter = torch.zeros(1, dtype=torch.int64, device=w.votes.device)
+
+    def stages():
+        be.local_step(w.grads, w.exp_avgs, w.votes, w.offsets, b1, False)
+        be.tally(w.votes.view(1, -1), w.agg1, 1, "vote", False, counter)
+        be.apply(w.params, w.grads, w.exp_avgs, w.agg1, w.offsets, LR, WD, b2, 1, "vote", False)
+        counter.add_(1)
+
+    def whole():
+        dk.fused_dlion_step(w.params, w.grads, w.exp_avgs, lr=LR, betas=BETAS, weight_decay=WD,
+                            backend=name, step=counter, nonfinite="skip")
+
+    return {"step kernels": stages, "step graph": graphed(stages),
+            "fused_dlion_step kernels": whole, "fused_dlion_step": whole,
+            "fused_dlion_step graph": graphed(whole)}
+
+
 SHAPE_OPS = {  # tally does not depend on the tensor list: flat only
     "flat": ["local_step", "tally vote n=8", "tally avg n=8", "apply vote", "apply avg/bin n=8",
              "apply avg/ter n=8", "step"],
@@ -413,6 +489,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="flat,gpt2", help="flat,gpt2")
     ap.add_argument("--peers", default="lion,foreach,unfused",
                     help="peers of the whole step: lion,foreach,unfused (or none)")
+    ap.add_argument("--graph-sizes", default="1M",
+                    help="GPU: flat sizes that also time the step replayed from a CUDA graph and "
+                         "the library's whole step, launched and replayed (none: skip)")
     ap.add_argument("--gpt2-layers", type=int, default=12)
     ap.add_argument("--gpt2-scale", type=float, default=1.0,
                     help="shrink every GPT-2 dimension by this factor (148 tensors kept)")
@@ -444,6 +523,8 @@ def main(argv=None) -> int:
     dtypes = [DTYPES[d] for d in parse_list(args.dtypes)]
     shapes = parse_list(args.shapes)
     peers = [] if args.peers == "none" else parse_list(args.peers)
+    graph_sizes = set() if args.graph_sizes == "none" or not on_gpu else {
+        common.parse_count(s) for s in parse_list(args.graph_sizes)}
 
     notes: list[str] = []
     wanted = parse_list(args.backends) if args.backends else (
@@ -523,25 +604,25 @@ def main(argv=None) -> int:
                 s, d = src[:k], dst[:k]
                 return lambda: d.copy_(s)
 
-            def timed(fn, nbytes: float) -> tuple[float, float]:
-                """(kernel s, copy s): GPU do_bench each (copies cached per size); CPU
-                interleaved."""
+            def timed(fn, nbytes: float, kernels_only=False) -> tuple[float, float]:
+                """(kernel s, copy s): GPU do_bench each (copies cached per size), or with
+                ``kernels_only`` the profiler's sum of the kernels; CPU interleaved."""
                 if not on_gpu:
                     return timer.pair(fn, copy_fn(nbytes))
-                t = timer(fn)
+                t = kernel_seconds(fn) if kernels_only else timer(fn)
                 k = max(1, math.ceil(nbytes / 2 / 4))
                 if k not in copy_cache:
                     copy_cache[k] = timer(copy_fn(nbytes))
                 return t, copy_cache[k]
 
-            def record(op, impl, fn):
+            def record(op, impl, fn, kernels_only=False):
                 bpe = bytes_per_elt(op, dtype)
                 nbytes = bpe * numel
                 row = {"shape": kind, "size": label, "numel": numel, "tensors": len(shp),
                        "dtype": dname, "op": op, "impl": impl, "bytes_per_elt": round(bpe, 4),
                        "bytes": int(nbytes)}
                 try:
-                    t, tc = timed(fn, nbytes)
+                    t, tc = timed(fn, nbytes, kernels_only)
                 except Exception as e:  # noqa: BLE001 - OOM or a backend bug: say so, go on
                     if on_gpu:
                         torch.cuda.empty_cache()
@@ -564,6 +645,17 @@ def main(argv=None) -> int:
                     if op.startswith("tally") and dtype != dtypes[0]:
                         continue  # the tally reads and writes int32 words only: one dtype
                     record(op, name, fns[op])
+                if kind == "flat" and numel in graph_sizes and name != "torch":
+                    try:
+                        graphs = graph_fns(name, be, w)
+                    except Exception as e:  # noqa: BLE001 - a capture that fails: say so
+                        msg = f"{name} {label} {dname}: no CUDA graph ({type(e).__name__}: {e})"
+                        print(f"- {msg}")
+                        notes.append(msg)
+                    else:
+                        for op, fn in graphs.items():
+                            record(op, name, fn, kernels_only=op.endswith(" kernels"))
+                        graphs = None
             b1, b2 = BETAS
             if "lion" in peers:
                 if lion_fn is None:
@@ -643,7 +735,7 @@ def report(rows, device, names, dtypes) -> str:
 
 
 def order_of(op: str) -> int:
-    ops = SHAPE_OPS["flat"] + [PEER_LION, PEER_FOREACH, PEER_UNFUSED]
+    ops = SHAPE_OPS["flat"] + GRAPH_OPS + [PEER_LION, PEER_FOREACH, PEER_UNFUSED]
     return ops.index(op) if op in ops else len(ops)
 
 
@@ -702,6 +794,23 @@ def targets(rows, device, names) -> str:
                                f"{sp:.2f}x" for r, sp, pm in pairs)
             lines.append(f"- {name} step {what} lion-pytorch Triton ({shape}): "
                          f"**{verdict(ok)}** ({detail})")
+        for graph_op, kernels_op in (("step graph", "step kernels"),
+                                     ("fused_dlion_step graph", "fused_dlion_step kernels")):
+            for r in find(rows, shape="flat", impl=name, op=graph_op):
+                kernels = find(rows, shape="flat", impl=name, op=kernels_op, size=r["size"],
+                               dtype=r["dtype"])
+                if not (r.get("ms") and kernels and kernels[0].get("ms")):
+                    continue
+                launched = find(rows, shape="flat", impl=name,
+                                op=graph_op.replace(" graph", ""), size=r["size"],
+                                dtype=r["dtype"])
+                ratio = r["ms"] / kernels[0]["ms"]
+                extra = (f"; launched from Python {launched[0]['ms']:.3f} ms" if launched and
+                         launched[0].get("ms") else "")
+                lines.append(f"- {name} {graph_op} within {GRAPH_TARGET:g}x its kernels' time "
+                             f"({r['size']} {r['dtype']}): "
+                             f"**{verdict(ratio <= GRAPH_TARGET)}** ({r['ms']:.3f} ms vs "
+                             f"{kernels[0]['ms']:.3f} ms of kernels = {ratio:.2f}x{extra})")
     return "\n".join(lines) + "\n"
 
 

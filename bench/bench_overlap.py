@@ -52,6 +52,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from dlion_kernels.accounting import BUCKET_MB  # noqa: E402
 import network  # noqa: E402
 
 LABELS = {
@@ -530,7 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=24)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--launch-timeout-s", type=float, default=600.0)

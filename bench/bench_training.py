@@ -7,7 +7,7 @@ every variant side by side, one after the other, on the same processes:
 
 Variants are strategies of ``dlion_kernels/strategies.py`` (``--variants``, ``--hier-variants``:
 slugs; the legacy variant keys in brackets are accepted too), built on each rank by
-``dlion_kernels/build/`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
+``dlion_kernels/recipes/`` with lr 1e-4, no weight decay, ``accum_steps=4`` and the case's
 ``bucket_mb``. By default:
 
 ======================================  ============================================================
@@ -72,6 +72,7 @@ import common  # noqa: E402
 import network  # noqa: E402
 
 from dlion_kernels import strategies  # noqa: E402
+from dlion_kernels.accounting import BUCKET_MB  # noqa: E402
 
 WORKER = os.path.join(common.BENCH_DIR, "training_worker.py")  # one rank of a configuration
 
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="8,16,32,64,128",
                     help="batch sweep (flat n = --sweep-n, every rate)")
     ap.add_argument("--sweep-n", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
     ap.add_argument("--bucket-mbs", default="2,8,16,32,100",
                     help="bucket_mb sweep (flat n = --sweep-n, --bucket-sweep-rates)")
     ap.add_argument("--bucket-sweep-rates", type=float, nargs="+", default=[1.0])
@@ -453,7 +454,8 @@ def main(argv=None) -> int:
             "DDP bytes are the ring formula; wire_bytes_per_rank is what crossed the node's "
             "veth",
             "torch's bf16_compress_hook refuses gloo (needs NCCL); lion-allreduce-bf16 runs the "
-            "same hook from dlion_kernels/build/baselines.py (cast to bf16, all_reduce, cast back)",
+            "same hook from dlion_kernels/recipes/baselines.py (cast to bf16, all_reduce, cast "
+            "back)",
             f"uptime before: {up_before}; after: {up_now}",
         ]
         if not final:

@@ -5,7 +5,7 @@ process group runs five DistributedLion steps on a small MLP for every GPU backe
 with and without overlap, fp32 and bf16 parameters, and the same steps on the ``torch`` reference
 backend: parameters and momenta must be bit-identical (every backend does the same fp32
 operations). Writes one JSON line per case to ``--out`` (if given) and exits 1 on a mismatch.
-Without a CUDA device it prints why and exits 0 (bench/gpu_visit.sh records that as skipped).
+Without a CUDA device it prints why and exits 0 (bench/gpu_run.sh records that as skipped).
 
     torchrun --nproc-per-node 1 bench/gpu_nccl_check.py --out nccl.jsonl
 """

@@ -3,7 +3,7 @@
     python bench/training_worker.py CFG.json
 
 runs every case of the configuration file (a strategy slug as the variant, batch, bucket size)
-on the same process, each built by ``dlion_kernels/build/``, and rank 0 writes the per-rank
+on the same process, each built by ``dlion_kernels/recipes/``, and rank 0 writes the per-rank
 timings, bytes and stats to the file the configuration names.
 """
 
@@ -66,7 +66,7 @@ def worker(cfg_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dlion_kernels import strategies
-    from dlion_kernels.build import Settings, build
+    from dlion_kernels.recipes import Settings, build
 
     with open(cfg_path) as f:
         cfg = json.load(f)

@@ -141,13 +141,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cuda_tally",
       [](int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, int64_t out, bool average,
-         bool ternary, uint32_t tie, int device, int64_t stream) {
-        dlion::cuda_tally(stacked, row_words, n, blocks, out, average, ternary, tie, device,
+         bool ternary, uint32_t tie, int64_t step, int device, int64_t stream) {
+        dlion::cuda_tally(stacked, row_words, n, blocks, out, average, ternary, tie, step, device,
                           stream);
       },
       release(), py::arg("stacked"), py::arg("row_words"), py::arg("n"), py::arg("blocks"),
-      py::arg("out"), py::arg("average"), py::arg("ternary"), py::arg("tie"), py::arg("device"),
-      py::arg("stream"), "cpu_tally on device buffers, one launch on `stream`.");
+      py::arg("out"), py::arg("average"), py::arg("ternary"), py::arg("tie"), py::arg("step"),
+      py::arg("device"), py::arg("stream"),
+      "cpu_tally on device buffers, one launch on `stream`. `step`: 0, or the address of an int64\n"
+      "step counter on the device whose parity picks the tie pattern there (instead of `tie`),\n"
+      "so that a step captured in a CUDA graph follows the counter on every replay.");
   m.def(
       "cuda_apply",
       [](int64_t table, int64_t n_tensors, int64_t n_chunks, int p_dtype, int g_dtype,

@@ -32,6 +32,11 @@ import math
 _F32, _BIT = 4, 1 / 8
 
 
+# Bucket size, MiB: DDP's default, which D-Lion's overlap buckets, the gossip buckets and the
+# runtime model follow (one number for all of them)
+BUCKET_MB = 25.0
+
+
 def local_step_bytes(grad_bytes: float = _F32) -> float:
     """The local step, per element: g (``grad_bytes``) and m read, the vote bit written."""
     return grad_bytes + _F32 + _BIT
@@ -89,6 +94,13 @@ def fsdp_unit_bytes(shard_elems: float, shard_param_bytes: float, ranks_per_node
     inter = ring_all_reduce_bytes(nodes, reduce_bytes * shard_elems) if replicas_all_reduce \
         else 0.0
     return intra, inter
+
+
+def gossip_bytes_per_step(numel: int, element_size: int, group_size: int) -> float:
+    """Bytes a rank sends per step for a ring all-reduce of ``numel`` elements of
+    ``element_size`` bytes in a group of ``group_size`` ranks (a gossip round, DiLoCo's
+    Nesterov sync)."""
+    return ring_all_reduce_bytes(group_size, numel * element_size)
 
 
 def ddp_all_reduce_bytes(ranks: int, numel: int, *, wire_bytes: int = 4,

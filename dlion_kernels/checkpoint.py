@@ -484,7 +484,7 @@ def _mesh_problem(manifest: dict, mine: dict, n_old: int, n: int) -> str | None:
 def _check_own(obj, state, where: str) -> None:
     """The object's own check of a state, where it has one that changes nothing (``DiLoCo``):
     a state it would refuse is refused here, before the ranks agree, not by one rank after."""
-    check = getattr(obj, "_check_state", None)
+    check = getattr(obj, "check_state", None)
     if callable(check):
         try:
             check(state)

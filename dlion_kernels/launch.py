@@ -167,3 +167,81 @@ def spawn(n: int, fn, *args, timeout: float | None = None, threads: int = 1) -> 
                 while p.exitcode is None and time.monotonic() < reaped_by:
                     time.sleep(0.01)
         return results(tmp, n, fn, killed, why, lambda r: procs[r].exitcode)
+
+
+# ----------------------------------------------------------------------------- torchft replicas
+# One way to start torchft's side of an elastic run on one machine, for the tests, the
+# benchmarks and the demo (torchft itself is imported only here, and only when called).
+
+
+def lighthouse(min_replicas: int = 2, join_timeout_ms: int = 60000, **options):
+    """A torchft ``LighthouseServer`` on a free port of this machine (``.address()``,
+    ``.shutdown()``). ``join_timeout_ms``: how long a quorum that has ``min_replicas`` waits for
+    a live replica that has not asked yet (torchft's default, 60 s: shorter, a replica slowed
+    by a heal or a loaded machine misses the next quorum and the quorums split)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-quorum log lines
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+                            join_timeout_ms=join_timeout_ms, **options)
+
+
+def replica_manager(replica_id: str, lighthouse_addr: str, *, rank: int = 0,
+                    world_size: int = 1, store_port: int | None = None,
+                    addr: str = "localhost", min_replica_size: int = 2, timeout: float = 30.0,
+                    quorum_timeout: float = 120.0, **options):
+    """A torchft ``Manager`` for rank ``rank`` of replica ``replica_id`` (``world_size`` ranks)
+    on gloo, with the synchronous quorum ``DistributedLion(manager=)`` and ``DiLoCo(manager=)``
+    need. The replica's ``TCPStore``: made here, with this rank its master, unless
+    ``store_port`` names the one rank 0 made (its ``manager.dlion_store``, kept alive as long as
+    the manager). ``options``: more of ``Manager``'s keywords (``state_dict``, ``hostname``...).
+    """
+    os.environ.setdefault("RUST_LOG", "warn")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    store = None
+    if store_port is None:
+        store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
+    wait = timedelta(seconds=timeout)
+    options.setdefault("load_state_dict", None)
+    options.setdefault("state_dict", None)
+    options.setdefault("connect_timeout", wait)
+    manager = Manager(pg=ProcessGroupGloo(timeout=wait), min_replica_size=min_replica_size,
+                      use_async_quorum=False, replica_id=replica_id, store_addr=addr,
+                      store_port=store_port, rank=rank, world_size=world_size,
+                      lighthouse_addr=lighthouse_addr, timeout=wait,
+                      quorum_timeout=timedelta(seconds=quorum_timeout), **options)
+    manager.dlion_store = store  # the store lives as long as the manager
+    return manager
+
+
+def log_to(path: str) -> None:
+    """Send this process's stdout and stderr to ``path`` (appended): a replica's logs (torchft's
+    quorum and checkpoint-server lines, its warnings) stay out of a demo's report, and are kept
+    for when a replica fails."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def end_replica(manager, leave: bool = True) -> None:
+    """A replica's clean end: its Manager shut down without waiting and, with ``leave``, the
+    process ended at once (torchft's threads would hold it; stdout and stderr are flushed).
+
+    The ranks of a replica of several meet first on the default process group (the ranks of
+    this replica): its rank 0 serves the replica's Manager, and a rank still waiting for the
+    answer to its last commit would see the connection drop as a transport error."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    manager.shutdown(wait=False)
+    if leave:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

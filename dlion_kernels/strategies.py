@@ -29,7 +29,7 @@ lowercase and dash-separated, family first, then what sets it apart:
   baseline (top-k per run, 2-bit values, error feedback; ``outer="sparseloco"``)
 
 Each entry carries its label for tables, its parameters (``options``, read by its family's
-builder in ``build/builders.py``), whether it needs nodes of L > 1 ranks, and the runtime
+builder in ``recipes/builders.py``), whether it needs nodes of L > 1 ranks, and the runtime
 model's row that predicts its step (``plan/model.py``; None where the model has none). The
 model names its rows by these slugs: a strategy's row is its own slug, or, where two
 strategies run the same exchange, the other's (``adamw-allreduce`` is predicted by
@@ -39,7 +39,7 @@ K) are the builder's ``Settings``, not part of the name.
 
 The demo (``--strategy``), ``bench/bench_training.py`` (``--variants``), ``bench/bench_plan.py``
 and the runtime model (``choose_strategy``) name strategies by these slugs. Adding one is an
-entry in ``_entries`` below, plus a builder in ``build/builders.py`` for a new family.
+entry in ``_entries`` below, plus a builder in ``recipes/builders.py`` for a new family.
 
 Pure Python, no torch: the runtime model imports it.
 """

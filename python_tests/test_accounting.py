@@ -42,7 +42,7 @@ def test_fsdp_unit_bytes():
 
 
 def test_every_report_uses_the_ring_formula():
-    from dlion_kernels.decentralized.wrapper import gossip_bytes_per_step
+    from dlion_kernels.accounting import gossip_bytes_per_step
     from dlion_kernels.demo.common import allreduce_fp32_bytes
     from dlion_kernels.exchange.pipeline import StepStats
 

@@ -20,7 +20,7 @@ lines:
 - a restarted replica heals (its first step is at the survivors' step, with their parameters)
   and votes again (committed, up to all 3 replicas at the end);
 - bytes per step are the wire's figure for the step's participants: 2 (n-1)/n d/8 plus padding
-  for the vote, 2 (n-1)/n 4d for Nesterov's all-reduce.
+  for the vote, 2 (n-1)/n 4 (d + 2n) for Nesterov's all-reduce (its step words included).
 
 A replica that starts late (after the others' first quorum) heals the same way; the phases'
 starts often make one, but the test does not force it.
@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from datetime import timedelta
 
 import pytest
 
@@ -88,18 +87,12 @@ def _phase(index, phase, lighthouse, kind, kill_at, target, out, late=None) -> N
     is current and asks for its next quorum ahead (the steps it may have spent asking at
     zero_grad, were the machine slow enough to make it miss a quorum before, are over)."""
     import torch
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
 
     import dlion_kernels as dk
+    from dlion_kernels import launch
 
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=None,
-                      state_dict=None, min_replica_size=2, use_async_quorum=False,
-                      replica_id=f"{kind}_{index}", store_addr="localhost", store_port=store.port,
-                      rank=0, world_size=1, lighthouse_addr=lighthouse,
-                      timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=20))
+    manager = launch.replica_manager(f"{kind}_{index}", lighthouse, min_replica_size=2,
+                                     timeout=20.0, quorum_timeout=60.0)
     torch.manual_seed(0)  # the same initial weights everywhere (a restarted one heals anyway)
     model = torch.nn.Linear(40, 24)
     params = list(model.parameters())
@@ -204,15 +197,14 @@ def _run(phases, tmp_path) -> dict:
     for one survivor alone (below min_replica_size), failed the step. ``late`` (``_phase``): a
     replica that pauses instead, under a Lighthouse that waits 1 s for it. Returns each phase's
     records and how many lines each victim wrote before it died."""
-    from torchft.coordination import LighthouseServer
+    from dlion_kernels import launch
 
     tmp = str(tmp_path)
     # the join timeout: how long a quorum that has min_replicas waits for the others. At 1 s a
     # replica slowed by a loaded machine misses a quorum and starts the next one with another,
     # and quorums of 2 alternate from then on; 4 s keeps the 3 together (the survivors' first
     # quorum after a kill waits at most that long for the dead replica)
-    houses = [LighthouseServer(bind="[::]:0", min_replicas=2,
-                               join_timeout_ms=4000 if late is None else 1000)
+    houses = [launch.lighthouse(min_replicas=2, join_timeout_ms=4000 if late is None else 1000)
               for _, _, _, _, late in phases]
     plan = [(kind, h.address(), victims, kill_at, target, late)
             for (kind, victims, kill_at, target, late), h in zip(phases, houses)]
@@ -347,8 +339,9 @@ def _vote_bytes(n, d):
 
 
 def _allreduce_bytes(n, d):
-    """DiLoCo's Nesterov: a ring all-reduce of the fp32 pseudo-gradients, 2 (n-1)/n 4d."""
-    exact = round(2 * (n - 1) / n * 4 * d)
+    """DiLoCo's Nesterov: a ring all-reduce of the fp32 pseudo-gradients and every replica's
+    inner step (2 fp32 words each), 2 (n-1)/n 4 (d + 2n)."""
+    exact = round(2 * (n - 1) / n * 4 * (d + 2 * n))
     return exact, exact
 
 
@@ -406,15 +399,12 @@ def test_manager_is_checked_and_torchft_is_imported_only_with_one():
     manager._use_async_quorum = False
     with pytest.raises(ValueError, match="heal_momentum must be one of"):
         dk.DistributedLion(model.parameters(), manager=manager, heal_momentum="mine")
-    with pytest.raises(ValueError, match="overlap=True"):
-        dk.DistributedLion(model.parameters(), manager=manager, overlap=True)
-    with pytest.raises(ValueError, match="overlap_steps=0"):
-        dk.DiLoCo(model, inner, sync_every=4, overlap_steps=1, manager=manager)
-    with pytest.raises(ValueError, match="plain outer steps"):
-        dk.DiLoCo(model, inner, sync_every=4, outer="sparseloco", manager=manager)
-    with pytest.raises(ValueError, match="plain outer steps"):
-        dk.DiLoCo(model, inner, sync_every=4, manager=manager,
-                  outer_options=dk.DLionOuterOptions(error_feedback=True))
+    with pytest.raises(ValueError, match="pass group=None"):
+        dk.DistributedLion(model.parameters(), manager=manager, group=object())
+    with pytest.raises(ValueError, match='hierarchy="auto"'):
+        dk.DistributedLion(model.parameters(), manager=manager, hierarchy="auto")
+    with pytest.raises(ValueError, match="pass group=None"):
+        dk.DiLoCo(model, inner, sync_every=4, manager=manager, group=object())
     # without a manager torchft is never imported
     code = ("import sys, torch, dlion_kernels as dk; m = torch.nn.Linear(2, 2); "
             "dk.DistributedLion(m.parameters()); "

@@ -42,7 +42,7 @@ FLOORS = [
     ("dlion_kernels.local_steps", 3),  # local steps (DiLoCo)
     ("dlion_kernels.elastic", 3),  # torchft's quorum around a step (the optional dependency)
     ("dlion_kernels.checkpoint", 4),  # per-rank optimizer checkpoints
-    ("dlion_kernels.build", 4),  # a named strategy built on a rank
+    ("dlion_kernels.recipes", 4),  # a named strategy built on a rank
     ("dlion_kernels.demo", 5),  # the training demos
     ("dlion_kernels", 6),  # the package __init__: re-exports only
 ]
@@ -65,11 +65,28 @@ HOMES = {"BLOCK": "dlion_kernels.kernels.layout", "WORD_BYTES": "dlion_kernels.k
 THIRD_PARTY_PRIVATE = {
     ("dlion_kernels.exchange.collectives", "_get_backend"):
         "torch.distributed: a ProcessGroup tells its timeout only through its backend's options",
+    ("dlion_kernels.exchange.collectives", "_device_types"):
+        "torch.distributed: a ProcessGroup lists the device types of its backends only there",
     ("dlion_kernels.exchange.collectives", "_timeout"):
         "torch.distributed: the backend options' timeout (public only as a constructor argument)",
     ("dlion_kernels.elastic", "_pg"):
         "torchft's Manager hands out its reconfigurable process group only as manager._pg (its "
         "own DDP and DiLoCo read it there too)",
+    ("dlion_kernels.elastic", "_use_async_quorum"):
+        "torchft's Manager keeps whether its quorum is asynchronous only there; a 1-bit vote "
+        "needs it synchronous, so the manager is checked at construction",
+    ("dlion_kernels.elastic", "_group_rank"):
+        "torchft's Manager keeps its rank in the replica only there (no getter): checked against "
+        "this rank's place in its replica",
+    ("dlion_kernels.elastic", "_group_world_size"):
+        "torchft's Manager keeps its replica's size only there (no getter)",
+    ("dlion_kernels.elastic", "_user_state_dicts"):
+        "torchft's Manager can register a state key but not remove one: a closed or collected "
+        "owner's key is taken off there (and checked free before registering)",
+    ("dlion_kernels.elastic", "_load_state_dict_fns"):
+        "the other half of a registered state key (see _user_state_dicts)",
+    ("dlion_kernels.elastic", "_state_dict_lock"):
+        "the lock torchft holds while it serves registered state to a healing peer",
     ("dlion_kernels.optim.amp", "_per_optimizer_states"):
         "torch.amp.GradScaler keeps each optimizer's found_inf tensors only there, and update() "
         "sums them: the overflow vote every rank agrees on must be written back there",
@@ -183,10 +200,12 @@ def _internal(target: str) -> str | None:
 
 def private_attributes(source: str) -> list[tuple[int, str, str]]:
     """Reach-ins of one module's source: (line, expression, attribute) for each ``x._name``
-    (read, written or deleted; single underscore, not a dunder) where ``x`` is not ``self`` or
-    ``cls``, ``_name`` is not defined in this module (a def, class, assigned name, or attribute of
-    ``self``/``cls``), and ``x`` does not start from a name imported from outside the package
-    (``torch._foreach_add_``, ``os._exit``: the third party's own business)."""
+    (read, written or deleted; single underscore, not a dunder), and each ``getattr``,
+    ``setattr``, ``hasattr`` or ``delattr`` of ``x`` with a literal ``"_name"``, where ``x`` is
+    not ``self`` or ``cls``, ``_name`` is not defined in this module (a def, class, assigned name,
+    or attribute of ``self``/``cls``), and ``x`` does not start from a name imported from
+    outside the package (``torch._foreach_add_``, ``os._exit``: the third party's own
+    business)."""
     tree = ast.parse(source)
     defined, outside = set(), set()
     for node in ast.walk(tree):
@@ -205,17 +224,25 @@ def private_attributes(source: str) -> list[tuple[int, str, str]]:
             outside |= {a.asname or a.name for a in node.names}
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                and not node.attr.startswith("__")) or node.attr in defined:
+        if isinstance(node, ast.Attribute):
+            value, attr = node.value, node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):
+            value, attr = node.args[0], node.args[1].value
+        else:
             continue
-        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+        if not (attr.startswith("_") and not attr.startswith("__")) or attr in defined:
             continue
-        root = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        root = value
         while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
             root = root.func if isinstance(root, ast.Call) else root.value
         if isinstance(root, ast.Name) and root.id in outside:
             continue
-        found.append((node.lineno, ast.unparse(node), node.attr))
+        found.append((node.lineno, ast.unparse(node), attr))
     return sorted(found)
 
 
@@ -368,12 +395,13 @@ def test_the_architecture_page_states_the_same_floors():
 @pytest.mark.parametrize("source, kind", [
     ("from ..demo import common\n", "upward"),
     ("from dlion_kernels import checkpoint\n", "upward"),
-    ("def f():\n    from .. import build\n", "upward"),
+    ("def f():\n    from .. import recipes\n", "upward"),
     ("from .pipeline import _private\n", "private"),
     ("import dlion_kernels\n", "upward"),
     ("from . import pipeline\n\ndef f(opt):\n    return pipeline._engine(opt)\n",
      "private attribute"),
     ("def f(opt):\n    opt._ddp_hooked = True\n", "private attribute"),
+    ("def f(opt):\n    return getattr(opt, '_path', None)\n", "private attribute"),
 ])
 def test_the_checker_finds_violations(tmp_path, monkeypatch, source, kind):
     """A module of floor 2 written with a bad import is caught, function-level imports too."""

@@ -1,9 +1,10 @@
 // AccumAdamW and AccumLion on CUDA (semantics and operation order: kernels/accum.py). One launch
 // covers every tensor of the accum table (csrc/accum_common.h): one CTA per chunk of kChunk
 // elements of one tensor, found by binary search in the table's chunk row; threads stride by
-// kThreads inside the chunk (coalesced). Built with --fmad=false and IEEE division and sqrt (no
-// fast math): one rounding per operation, as the reference. x is read from the table's y row (x
-// itself, or a source apart from every written tensor: the fused mixing, accum.py), written to x.
+// kThreads inside the chunk (coalesced), all loads first (accum_kernel). Built with --fmad=false
+// and IEEE division and sqrt (no fast math): one rounding per operation, as the reference. x is
+// read from the table's y row (x itself, or a source apart from every written tensor: the fused
+// mixing, accum.py), written to x.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -74,13 +75,40 @@ __device__ __forceinline__ Slice<T> load_slice(const int64_t* table, int n) {
 using accum::AdamW;
 using accum::Lion;
 
+// Every load of the thread's kPerThread elements (strided by kThreads: coalesced) is issued before
+// any arithmetic or store, so that a CTA keeps its whole chunk in flight: stores to a, m and v
+// may alias later loads as far as the compiler knows, so a loop that loads, computes and stores
+// one element at a time waits a memory latency per element. The element step then works on the
+// registers (i = 0 of one-element arrays) and the results are stored.
 template <typename Op, typename T, bool K1, bool FLUSH>
 __global__ void __launch_bounds__(kThreads)
     accum_kernel(const int64_t* __restrict__ table, int n, typename Op::Args s) {
   const Slice<T> e = load_slice<T>(table, n);
-#pragma unroll 4
-  for (int64_t i = e.begin + threadIdx.x; i < e.end; i += kThreads)
-    st(e.x + i, Op::template element<K1, FLUSH>(ld(e.y + i), ld(e.g + i), e.a, e.m, e.v, i, s));
+  float xv[kPerThread], gv[kPerThread], av[kPerThread], mv[kPerThread], vv[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = e.begin + threadIdx.x + int64_t{k} * kThreads;
+    xv[k] = gv[k] = av[k] = mv[k] = vv[k] = 0.0f;
+    if (i < e.end) {
+      xv[k] = ld(e.y + i);
+      gv[k] = ld(e.g + i);
+      if (!K1) av[k] = e.a[i];
+      mv[k] = e.m[i];
+      if (Op::kSecondMoment) vv[k] = e.v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = e.begin + threadIdx.x + int64_t{k} * kThreads;
+    if (i < e.end) {
+      st(e.x + i, Op::template element<K1, FLUSH>(xv[k], gv[k], av + k, mv + k, vv + k, 0, s));
+      if (!K1) e.a[i] = av[k];
+      if (FLUSH) {
+        e.m[i] = mv[k];
+        if (Op::kSecondMoment) e.v[i] = vv[k];
+      }
+    }
+  }
 }
 
 void check(cudaError_t err, const char* what) {

@@ -5,9 +5,15 @@
 //
 // local_step and apply walk a list of tensors in one launch: the grid is one CTA per chunk of
 // kChunk elements of one tensor; a CTA finds its tensor by binary search in the table's chunk row
-// (common.h). Inside a chunk, pass u of kUnroll covers kThreads * kVec contiguous elements, each
+// (common.h). Inside a chunk, pass u of kPasses covers kThreads * kVec contiguous elements, each
 // thread kVec consecutive ones (one 16-byte fp32 / 8-byte bf16/fp16 access; a misaligned array
-// is realigned across the warp, load_shifted), each warp 128 elements = 4 packed words. fp32 math, one rounding per operation (__fmul_rn etc.).
+// is realigned across the warp, load_shifted), each warp 128 elements = 4 packed words. fp32
+// math, one rounding per operation (__fmul_rn etc.).
+//
+// Both stages are bound by how many bytes each SM keeps in flight, not by arithmetic: a CTA
+// issues every load of its chunk first (apply: x, the aggregate words, m and g together), keeps
+// the data as stored (bf16/fp16 packed two to a register: twice the bytes per register, so more
+// CTAs fit), and only then converts, computes and stores.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,9 +27,12 @@ namespace cuda {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-constexpr int kUnroll = 4;
-constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;  // 4096 elements per CTA
+constexpr int kPasses = 4;
+constexpr int64_t kChunk = int64_t{kThreads} * kVec * kPasses;  // 4096 elements per CTA
 constexpr int kTallyThreads = 256;
+// The average apply decodes up to this many bit planes from words prefetched by the warp and a
+// table of D in shared memory; more planes (n >= 256 binary, n >= 128 ternary) decode per thread.
+constexpr int kLutPlanes = 8;
 
 enum Decode : int { kVoteBinary = 0, kVoteTernary = 1, kAverageBinary = 2, kAverageTernary = 3 };
 
@@ -84,6 +93,62 @@ __device__ __forceinline__ void store_vec(__half* p, const float (&v)[kVec]) {
   const __half2 hi = __floats2half2_rn(v[2], v[3]);
   *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
                                             *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+// kVec elements as stored: fp32 in a float4, bf16/fp16 packed two to a 32-bit word (uint2).
+// The loads of a chunk land here; conversion to fp32 waits until the arithmetic needs it.
+template <typename T>
+struct Raw {
+  uint2 v;
+};
+template <>
+struct Raw<float> {
+  float4 v;
+};
+
+__device__ __forceinline__ void load_raw(const float* p, Raw<float>& r) {
+  r.v = *reinterpret_cast<const float4*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* p, Raw<T>& r) {
+  r.v = *reinterpret_cast<const uint2*>(p);
+}
+
+__device__ __forceinline__ void unpack(const Raw<float>& r, float (&v)[kVec]) {
+  v[0] = r.v.x, v[1] = r.v.y, v[2] = r.v.z, v[3] = r.v.w;
+}
+__device__ __forceinline__ void unpack(const Raw<__nv_bfloat16>& r, float (&v)[kVec]) {
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.v.y));
+  v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+}
+__device__ __forceinline__ void unpack(const Raw<__half>& r, float (&v)[kVec]) {
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&r.v.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&r.v.y));
+  v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+}
+
+// Values that came from T (the misaligned and tail loads) back into Raw<T>: exact.
+__device__ __forceinline__ void pack(const float (&v)[kVec], Raw<float>& r) {
+  r.v = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void pack(const float (&v)[kVec], Raw<__nv_bfloat16>& r) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+  r.v = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                   *reinterpret_cast<const uint32_t*>(&hi));
+}
+__device__ __forceinline__ void pack(const float (&v)[kVec], Raw<__half>& r) {
+  const __half2 lo = __floats2half2_rn(v[0], v[1]);
+  const __half2 hi = __floats2half2_rn(v[2], v[3]);
+  r.v = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                   *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+template <typename T>
+__device__ __forceinline__ void zero(Raw<T>& r) {
+  const float z[kVec] = {0.0f, 0.0f, 0.0f, 0.0f};
+  pack(z, r);
 }
 
 // ----------------------------------------------------------------------------- the table
@@ -249,6 +314,16 @@ __device__ __forceinline__ void store_group(T* p, int64_t i, int64_t numel, int 
   }
 }
 
+// load_group into the stored form: one vector access when aligned and whole.
+template <typename T>
+__device__ __forceinline__ void load_group_raw(const T* p, int64_t i, int64_t numel, int mis,
+                                               Raw<T>& r) {
+  if (mis == 0 && i + kVec <= numel) return load_raw(p + i, r);
+  float v[kVec];
+  load_group(p, i, numel, mis, v);
+  pack(v, r);
+}
+
 // G: float | __nv_bfloat16 | __half (gradient; null = zeros); momentum is fp32 and only read
 // (apply writes it, kernel stages v2).
 template <typename G, bool TERNARY>
@@ -260,27 +335,31 @@ __global__ void __launch_bounds__(kThreads)
   const float* __restrict__ m = static_cast<const float*>(e.b);
   const int mis_m = misalignment(m), mis_g = g != nullptr ? misalignment(g) : 0;
 
-  // Loads of all passes first: kUnroll * (16 + 4 * sizeof(G)) bytes in flight per thread.
-  float gv[kUnroll][kVec], mv[kUnroll][kVec];
+  // Loads of all passes first: kPasses * (16 + 4 * sizeof(G)) bytes in flight per thread, kept
+  // as stored (bf16/fp16 gradients packed) until the arithmetic.
+  Raw<G> gr[kPasses];
+  Raw<float> mr[kPasses];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kPasses; ++u) {
     const int64_t i = element_index(e.base, u);
-    load_group(m, i, e.numel, mis_m, mv[u]);
+    load_group_raw(m, i, e.numel, mis_m, mr[u]);
     if (g != nullptr) {
-      load_group(g, i, e.numel, mis_g, gv[u]);
+      load_group_raw(g, i, e.numel, mis_g, gr[u]);
     } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
+      zero(gr[u]);
     }
   }
 
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kPasses; ++u) {
     const int64_t i = element_index(e.base, u);
+    float gv[kVec], mv[kVec];
+    unpack(gr[u], gv);
+    unpack(mr[u], mv);
     uint32_t pos = 0, neg = 0;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float c = __fadd_rn(__fmul_rn(b1, mv[u][j]), __fmul_rn(omb1, gv[u][j]));
+      const float c = __fadd_rn(__fmul_rn(b1, mv[j]), __fmul_rn(omb1, gv[j]));
       pos |= static_cast<uint32_t>(c > 0.0f) << j;
       if constexpr (TERNARY) neg |= static_cast<uint32_t>(c < 0.0f) << j;
     }
@@ -302,16 +381,51 @@ __global__ void __launch_bounds__(kThreads)
 
 // ----------------------------------------------------------------------------- apply
 
+// D of element j (0..3 of this thread's group) from the words of its block: vote kinds.
+template <int KIND>
+__device__ __forceinline__ void decode_vote(uint32_t w0, uint32_t w1, int shift,
+                                            float (&d)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    if constexpr (KIND == kVoteBinary) {
+      d[j] = ((w0 >> (shift + j)) & 1u) ? 1.0f : -1.0f;
+    } else {
+      d[j] = __int2float_rn(static_cast<int>((w0 >> (shift + j)) & 1u) -
+                            static_cast<int>((w1 >> (shift + j)) & 1u));
+    }
+  }
+}
+
+// D = (2q - n) / n (average/binary) or (q - n) / n (average/ternary) for a count q, rounded once.
+template <int KIND>
+__device__ __forceinline__ float average_d(int q, int n, float nf) {
+  const int num = KIND == kAverageBinary ? 2 * q - n : q - n;
+  return __fdiv_rn(__int2float_rn(num), nf);
+}
+
 // P: float | __nv_bfloat16 | __half (parameter); G: P or float (gradient; null = zeros); KIND:
 // Decode. x = x - lr * (D + wd * x) and m = b2*m + omb2*g, unless *skip != 0 (then nothing).
 // A null momentum (table row b = 0): x only, neither m nor g is touched.
+//
+// Every load of the chunk is issued before any arithmetic: x, the aggregate words, m and g,
+// kPasses * kVec * (sizeof(P) + 4 + sizeof(G)) bytes in flight per thread. The average kinds
+// with at most kLutPlanes planes do not load their words per thread: a warp's pass covers 4
+// whole blocks, whose 4 * planes words are contiguous, so lane l loads word l of them (one
+// coalesced access) and each lane takes the words of its block by shuffles; D(q) for every
+// q < 2^planes is a table in shared memory, computed once per CTA (one division per entry
+// instead of one per element).
 template <typename P, typename G, int KIND>
 __global__ void __launch_bounds__(kThreads)
     apply_kernel(const int64_t* __restrict__ table, int n_tensors,
                  const uint32_t* __restrict__ aggregate, int planes, float lr, float wd, int n,
                  float nf, float b2, float omb2, const int32_t* __restrict__ skip) {
-  // The flag of a step dropped after the exchange, read on the device: no host sync.
-  if (skip != nullptr && __ldg(skip) != 0) return;
+  constexpr bool kAverage = KIND == kAverageBinary || KIND == kAverageTernary;
+  __shared__ float lut[kAverage ? (1 << kLutPlanes) : 1];
+  // The flag of a step dropped after the exchange, read on the device (no host sync). It is
+  // tested once the chunk's loads are issued, so that its latency is not paid before them
+  // (reading is harmless; nothing is written when it is set).
+  const int32_t skipped = skip != nullptr ? __ldg(skip) : 0;
+  const bool lut_decode = kAverage && planes <= kLutPlanes;
   const Entry e = load_entry(table, n_tensors);
   P* __restrict__ x = static_cast<P*>(const_cast<void*>(e.a));
   float* __restrict__ m = static_cast<float*>(e.b);
@@ -319,36 +433,64 @@ __global__ void __launch_bounds__(kThreads)
       __ldg(table + kRowC * n_tensors + e.t));
   const int mis_x = misalignment(x), mis_m = misalignment(m);
   const int mis_g = g != nullptr ? misalignment(g) : 0;
+  const int lane = threadIdx.x & 31;
 
-  float xv[kUnroll][kVec];
-  uint32_t w0[kUnroll], w1[kUnroll];
+  Raw<P> xr[kPasses];
+  Raw<float> mr[kPasses];
+  Raw<G> gr[kPasses];
+  uint32_t w0[kPasses], w1[kPasses];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kPasses; ++u) {
     const int64_t i = element_index(e.base, u);
-    load_group(x, i, e.numel, mis_x, xv[u]);
+    load_group_raw(x, i, e.numel, mis_x, xr[u]);
+    if (m != nullptr) {  // the same for the whole CTA: one tensor per chunk
+      load_group_raw(m, i, e.numel, mis_m, mr[u]);
+      if (g != nullptr) {
+        load_group_raw(g, i, e.numel, mis_g, gr[u]);
+      } else {
+        zero(gr[u]);
+      }
+    }
     w0[u] = w1[u] = 0;
-    if constexpr (KIND == kVoteBinary || KIND == kVoteTernary) {
+    if constexpr (!kAverage) {
       if (i < e.numel) {
         const int64_t word = (e.block + i / kBlock) * planes;
         w0[u] = __ldg(aggregate + word);
         if constexpr (KIND == kVoteTernary) w1[u] = __ldg(aggregate + word + 1);
       }
+    } else if (lut_decode) {
+      const int64_t first = i - 4 * lane;  // the warp's first element in this pass
+      const int64_t blocks = (e.numel - first + kBlock - 1) / kBlock;  // of its 4, in the tensor
+      if (lane < 4 * planes && lane < blocks * planes)
+        w0[u] = __ldg(aggregate + (e.block + first / kBlock) * planes + lane);
     }
   }
+  if constexpr (kAverage) {
+    if (lut_decode) {  // D of every count, while the loads are in flight
+      for (int q = threadIdx.x; q < (1 << planes); q += kThreads)
+        lut[q] = average_d<KIND>(q, n, nf);
+      __syncthreads();
+    }
+  }
+  if (skipped != 0) return;  // the same for the whole grid
 
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kPasses; ++u) {
     const int64_t i = element_index(e.base, u);
     const int shift = static_cast<int>(i % kBlock);
     float d[kVec];
-    if constexpr (KIND == kVoteBinary) {
+    if constexpr (!kAverage) {
+      decode_vote<KIND>(w0[u], w1[u], shift, d);
+    } else if (lut_decode) {
+      int q[kVec] = {0, 0, 0, 0};
+      const int src = (lane >> 3) * planes;  // lane holding plane 0 of this lane's block
+      for (int p = 0; p < planes; ++p) {
+        const uint32_t w = __shfl_sync(kFullMask, w0[u], src + p);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) d[j] = ((w0[u] >> (shift + j)) & 1u) ? 1.0f : -1.0f;
-    } else if constexpr (KIND == kVoteTernary) {
+        for (int j = 0; j < kVec; ++j) q[j] |= static_cast<int>((w >> (shift + j)) & 1u) << p;
+      }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        d[j] = __int2float_rn(static_cast<int>((w0[u] >> (shift + j)) & 1u) -
-                              static_cast<int>((w1[u] >> (shift + j)) & 1u));
+      for (int j = 0; j < kVec; ++j) d[j] = lut[q[j]];
     } else {
       int q[kVec] = {0, 0, 0, 0};
       if (i < e.numel) {
@@ -360,41 +502,27 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int num = KIND == kAverageBinary ? 2 * q[j] - n : q[j] - n;
-        d[j] = __fdiv_rn(__int2float_rn(num), nf);
-      }
+      for (int j = 0; j < kVec; ++j) d[j] = average_d<KIND>(q[j], n, nf);
     }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float xf = xv[u][j];
-      xv[u][j] = __fsub_rn(xf, __fmul_rn(lr, __fadd_rn(d[j], __fmul_rn(wd, xf))));
-    }
-    store_group(x, i, e.numel, mis_x, xv[u]);
-  }
-
-  // The momentum, after x so that x's registers are free: kUnroll * (16 + 4 * sizeof(G)) bytes
-  // in flight per thread again.
-  if (m == nullptr) return;  // the same for the whole CTA: one tensor per chunk
-  float mv[kUnroll][kVec], gv[kUnroll][kVec];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t i = element_index(e.base, u);
-    load_group(m, i, e.numel, mis_m, mv[u]);
-    if (g != nullptr) {
-      load_group(g, i, e.numel, mis_g, gv[u]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) gv[u][j] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t i = element_index(e.base, u);
+    float xv[kVec];
+    unpack(xr[u], xv);
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
-      mv[u][j] = __fadd_rn(__fmul_rn(b2, mv[u][j]), __fmul_rn(omb2, gv[u][j]));
-    store_group(m, i, e.numel, mis_m, mv[u]);
+      xv[j] = __fsub_rn(xv[j], __fmul_rn(lr, __fadd_rn(d[j], __fmul_rn(wd, xv[j]))));
+    store_group(x, i, e.numel, mis_x, xv);
+  }
+
+  if (m == nullptr) return;
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) {
+    const int64_t i = element_index(e.base, u);
+    float mv[kVec], gv[kVec];
+    unpack(mr[u], mv);
+    unpack(gr[u], gv);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      mv[j] = __fadd_rn(__fmul_rn(b2, mv[j]), __fmul_rn(omb2, gv[j]));
+    store_group(m, i, e.numel, mis_m, mv);
   }
 }
 
@@ -457,8 +585,9 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
   }
 }
 
-// One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. Ternary
-// counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
+// One thread per block (column of `stacked`), PLANES bit-sliced counters per thread. `tie`: the
+// bits that win a binary tie with even n, or taken from the device counter `step` when given.
+// Ternary counts q = #plus + #(not minus) = #plus - #minus + n over the 2n bit vectors. The CTA walks
 // tiles of kTallyThreads consecutive blocks (the loop bounds are the same for all its threads, so
 // __syncthreads is safe in it). Average mode writes out_planes words per block: they go through
 // shared memory so that consecutive threads store consecutive words (coalesced), instead of each
@@ -466,8 +595,14 @@ __device__ __forceinline__ void add_8_bits(uint32_t (&cnt)[PLANES], const uint32
 template <int PLANES, bool TERNARY>
 __global__ void __launch_bounds__(kTallyThreads)
     tally_kernel(const uint32_t* __restrict__ stacked, int64_t row_words, int n, int64_t blocks,
-                 uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie) {
+                 uint32_t* __restrict__ out, bool average, int out_planes, uint32_t tie,
+                 const int64_t* __restrict__ step) {
   constexpr int kGroupRows = TERNARY ? 4 : 8;  // rows per 8 bit vectors
+  // The step counter on the device (a step captured in a CUDA graph): its parity picks the tie
+  // pattern (layout.py tie_pattern: even 0x55555555, odd 0xAAAAAAAA).
+  if constexpr (!TERNARY) {
+    if (step != nullptr) tie = (__ldg(step) & 1) ? 0xAAAAAAAAu : 0x55555555u;
+  }
   __shared__ uint32_t staged[kTallyThreads * PLANES];
   const int64_t stride = int64_t{gridDim.x} * kTallyThreads;
   for (int64_t b0 = int64_t{blockIdx.x} * kTallyThreads; b0 < blocks; b0 += stride) {

@@ -111,11 +111,11 @@ void launch_apply_grad(DType p_dtype, DType g_dtype, dim3 grid, cudaStream_t s,
 template <bool TERNARY>
 void launch_tally(int count_planes, dim3 grid, cudaStream_t s, const uint32_t* stacked,
                   int64_t row_words, int n, int64_t blocks, uint32_t* out, bool average,
-                  int out_planes, uint32_t tie) {
-#define DLION_TALLY_CASE(P)                                              \
-  case P:                                                                \
-    cuda::tally_kernel<P, TERNARY><<<grid, cuda::kTallyThreads, 0, s>>>( \
-        stacked, row_words, n, blocks, out, average, out_planes, tie);   \
+                  int out_planes, uint32_t tie, const int64_t* step) {
+#define DLION_TALLY_CASE(P)                                                   \
+  case P:                                                                     \
+    cuda::tally_kernel<P, TERNARY><<<grid, cuda::kTallyThreads, 0, s>>>(      \
+        stacked, row_words, n, blocks, out, average, out_planes, tie, step);  \
     return;
   switch (count_planes) {
     DLION_TALLY_CASE(1)
@@ -128,7 +128,7 @@ void launch_tally(int count_planes, dim3 grid, cudaStream_t s, const uint32_t* s
     DLION_TALLY_CASE(8)
     default:
       cuda::tally_kernel<kMaxCountPlanes, TERNARY><<<grid, cuda::kTallyThreads, 0, s>>>(
-          stacked, row_words, n, blocks, out, average, out_planes, tie);
+          stacked, row_words, n, blocks, out, average, out_planes, tie, step);
   }
 #undef DLION_TALLY_CASE
 }
@@ -176,7 +176,8 @@ void cuda_local_step(int64_t table, int64_t n_tensors, int64_t n_chunks, DType g
 }
 
 void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, int64_t out,
-                bool average, bool ternary, uint32_t tie, int device, int64_t stream) {
+                bool average, bool ternary, uint32_t tie, int64_t step, int device,
+                int64_t stream) {
   check_n(n);
   if (blocks <= 0) return;
   DeviceGuard guard(device);
@@ -188,12 +189,13 @@ void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, i
   const auto* in = reinterpret_cast<const uint32_t*>(stacked);
   auto* o = reinterpret_cast<uint32_t*>(out);
   const int ni = static_cast<int>(n);
+  const auto* step_ptr = reinterpret_cast<const int64_t*>(step);
   if (ternary) {
     launch_tally<true>(count_planes, grid, s, in, row_words, ni, blocks, o, average, out_planes,
-                       tie);
+                       tie, step_ptr);
   } else {
     launch_tally<false>(count_planes, grid, s, in, row_words, ni, blocks, o, average, out_planes,
-                        tie);
+                        tie, step_ptr);
   }
   check_launch("tally kernel launch failed");
 }

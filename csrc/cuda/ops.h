@@ -23,8 +23,11 @@ void cuda_local_step(int64_t table, int64_t n_tensors, int64_t n_chunks, DType g
                      int64_t votes, float b1, float omb1, bool ternary, int device,
                      int64_t stream);
 
+// `step`: 0, or the device address of an int64 step counter: the binary tie pattern is then
+// taken from its parity on the device (tie_pattern of layout.py) instead of `tie`.
 void cuda_tally(int64_t stacked, int64_t row_words, int64_t n, int64_t blocks, int64_t out,
-                bool average, bool ternary, uint32_t tie, int device, int64_t stream);
+                bool average, bool ternary, uint32_t tie, int64_t step, int device,
+                int64_t stream);
 
 void cuda_apply(int64_t table, int64_t n_tensors, int64_t n_chunks, DType p_dtype, DType g_dtype,
                 int64_t aggregate, float lr, float wd, float b2, float omb2, int64_t n,

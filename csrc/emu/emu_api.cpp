@@ -174,11 +174,11 @@ int emu_cuda_local_step(std::int64_t table, std::int64_t n_tensors, std::int64_t
 
 int emu_cuda_tally(std::int64_t stacked, std::int64_t row_words, std::int64_t n,
                    std::int64_t blocks, std::int64_t out, int average, int ternary,
-                   std::uint32_t tie, int device, std::int64_t stream, char* err,
-                   std::size_t errlen) {
+                   std::uint32_t tie, std::int64_t step, int device, std::int64_t stream,
+                   char* err, std::size_t errlen) {
   return guarded(err, errlen, [&] {
-    dlion::cuda_tally(stacked, row_words, n, blocks, out, average != 0, ternary != 0, tie, device,
-                      stream);
+    dlion::cuda_tally(stacked, row_words, n, blocks, out, average != 0, ternary != 0, tie, step,
+                      device, stream);
   });
 }
 

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..accounting import ring_all_reduce_bytes
+from ..accounting import BUCKET_MB, gossip_bytes_per_step
 from ..exchange.buckets import Bucket, BucketEngine, WeakHook, remove_when_collected
 from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
 from ..exchange.groups import retire
@@ -106,7 +106,7 @@ class DecentralizedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         optimizer_fn: Callable,
         topology: str = "complete",
-        bucket_mb: float = 25.0,
+        bucket_mb: float = BUCKET_MB,
         group=None,
         lr_scheduler_fn: Callable | None = None,
         *,
@@ -405,9 +405,4 @@ class DecentralizedDataParallel(torch.nn.Module):
         self._handles = []
 
 
-def gossip_bytes_per_step(numel: int, element_size: int, group_size: int) -> float:
-    """Bytes a rank sends per step for a ring all-reduce of numel elements in its group."""
-    return ring_all_reduce_bytes(group_size, numel * element_size)
-
-
-__all__ = ["DecentralizedDataParallel", "gossip_bytes_per_step"]
+__all__ = ["DecentralizedDataParallel"]

@@ -71,7 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dlion_kernels import strategies
-from dlion_kernels.build import build
+from dlion_kernels.recipes import build
 
 from .common import (
     AUTO,

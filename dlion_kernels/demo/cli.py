@@ -2,7 +2,7 @@
 (``digits``, the default, or ``chars``); the task parses the rest of the command line (so
 ``--task chars --help`` lists the chars options). The tasks share ``common.py`` and never import
 each other. ``--task chars --elastic`` runs the chars task on torchft's quorum
-(``elastic.py``)."""
+(``elastic.py``), ``--task chars --sites`` across sites, the whole stack (``sites.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,13 @@ def main(argv=None):
     task = task_of(argv) or "digits"
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--elastic", action="store_true")
-    if task == "chars" and pre.parse_known_args(argv)[0].elastic:
+    pre.add_argument("--sites", action="store_true")
+    known = pre.parse_known_args(argv)[0]
+    if task == "chars" and known.sites:
+        from . import sites  # imports torchft when it runs
+
+        return sites.main(argv)
+    if task == "chars" and known.elastic:
         from . import elastic  # imports torchft when it runs
 
         return elastic.main(argv)

@@ -1,6 +1,6 @@
 """What the demo tasks share: the command-line options every task has (``--strategy`` takes the
 slugs of ``dlion_kernels/strategies.py``, or ``auto``), the ``Settings`` the strategies are built
-with (``dlion_kernels/build/``), ``--strategy auto`` (the runtime model picks), the
+with (``dlion_kernels/recipes/``), ``--strategy auto`` (the runtime model picks), the
 rank-agreement check, and ``launch`` (the ranks torchrun started, or gloo processes spawned here
 by ``dlion_kernels.launch.spawn``).
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dlion_kernels import strategies
 from dlion_kernels.accounting import ring_all_reduce_bytes
-from dlion_kernels.build import Settings
+from dlion_kernels.recipes import Settings
 from dlion_kernels.launch import spawn
 
 TASKS = ("digits", "chars")

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dlion_kernels import strategies
-from dlion_kernels.build import build
+from dlion_kernels.recipes import build
 
 from .common import (
     AUTO,

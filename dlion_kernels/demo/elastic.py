@@ -41,12 +41,12 @@ import signal
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
 
 from dlion_kernels import launch
+from dlion_kernels.elastic import DEFAULT_HEAL_MOMENTUM, HEAL_MOMENTUM
 from dlion_kernels.kernels.layout import (
     HEADER_WORDS,
     aggregate_planes,
@@ -90,8 +90,9 @@ def add_args(ap) -> None:
                     help="--elastic: the replica --kill-at kills (default the last)")
     ap.add_argument("--restart-at", type=int, default=None, metavar="S",
                     help="--elastic: restart the killed replica once the others committed step S")
-    ap.add_argument("--heal-momentum", choices=("own", "peer", "zero"), default="own",
-                    help="--elastic: the healed replica's momentum (default own)")
+    ap.add_argument("--heal-momentum", choices=HEAL_MOMENTUM, default=DEFAULT_HEAL_MOMENTUM,
+                    help=f"--elastic: the healed replica's momentum (default "
+                    f"{DEFAULT_HEAL_MOMENTUM})")
     ap.add_argument("--eval-every", type=int, default=10, metavar="E",
                     help="--elastic: replica 0's validation loss every E steps (default 10)")
     ap.add_argument("--join-timeout-ms", type=int, default=5000, metavar="MS",
@@ -153,12 +154,10 @@ def digest(params) -> str:
 
 def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) -> None:
     """One replica: its store, Manager and model; one JSON line per step attempt in ``path``."""
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-
     from dlion_kernels.optim.dlion import DistributedLion
 
     torch.set_num_threads(1)
+    launch.log_to(path + ".log")  # torchft's lines and warnings stay out of the report
     if go is not None:
         go.wait()
     lines = open(path, "a")
@@ -171,14 +170,9 @@ def _replica(index: int, args, lighthouse: str, path: str, dies: bool, go=None) 
     train, val = chars.load_text()
     evals = chars.val_starts(len(val), args.eval_windows, args.context)
     seed = args.seeds[0]
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=30)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None,
-                      state_dict=None, min_replica_size=MIN_REPLICAS, use_async_quorum=False,
-                      replica_id=f"replica{index}", store_addr="localhost",
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                      timeout=timeout, quorum_timeout=timedelta(seconds=120),
-                      connect_timeout=timeout)
+    manager = launch.replica_manager(f"replica{index}", lighthouse,
+                                     min_replica_size=MIN_REPLICAS, timeout=30.0,
+                                     quorum_timeout=120.0)
     model = chars.make_model(args, seed)  # the same initial weights on every replica
     params = list(model.parameters())
     opt = DistributedLion(params, lr=args.lion_lr, weight_decay=args.weight_decay,
@@ -226,12 +220,9 @@ def read_records(path) -> list:
 
 
 def end_replica(lines, manager, leave: bool = True) -> None:
-    """A replica's clean end: close its record file, shut its Manager down without waiting and,
-    with ``leave``, end the process at once (torchft's threads would hold it)."""
+    """A replica's clean end: close its record file, then ``launch.end_replica``."""
     lines.close()
-    manager.shutdown(wait=False)
-    if leave:
-        os._exit(0)
+    launch.end_replica(manager, leave)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -240,11 +231,7 @@ def end_replica(lines, manager, leave: bool = True) -> None:
 def run(args) -> dict:
     """All replicas under a Lighthouse started here; returns the report (``summarize``)."""
     quiet = args.quiet
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum log: lines per step otherwise
-    from torchft.coordination import LighthouseServer
-
-    house = LighthouseServer(bind="[::]:0", min_replicas=MIN_REPLICAS,
-                             join_timeout_ms=args.join_timeout_ms)
+    house = launch.lighthouse(min_replicas=MIN_REPLICAS, join_timeout_ms=args.join_timeout_ms)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     victim = args.kill_replica if args.kill_at is not None else None
@@ -285,7 +272,9 @@ def run(args) -> dict:
                 p.join(timeout=600)
             codes = [p.exitcode for p in procs]
             if codes != [0] * args.replicas:
-                raise RuntimeError(f"replicas ended with exit codes {codes}")
+                tails = "".join(f"replica {i}:\n{open(p + '.log').read()[-2000:]}\n"
+                                for i, p in enumerate(path) if os.path.exists(p + ".log"))
+                raise RuntimeError(f"replicas ended with exit codes {codes}\n{tails}")
         finally:
             for p in procs + ([restart] if restart else []):
                 if p.is_alive():

@@ -247,11 +247,6 @@ class BucketEngine:
         """Whether the buckets exist (after the first ``flush()``)."""
         return self.buckets is not None
 
-    @property
-    def ready_count(self) -> int:
-        """How many buckets were made ready so far in this iteration."""
-        return self._next
-
     @contextlib.contextmanager
     def no_sync(self):
         """Inside it gradients only accumulate: nothing is recorded or made ready."""

@@ -29,7 +29,12 @@ last collective runs over every rank, so no rank has applied it (``sharded.py``,
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import datetime
+import functools
+import inspect
 
 import torch.distributed as dist
 
@@ -130,16 +135,45 @@ def collective(name: str, step, fn, *args, timeout=None, label: str = "D-Lion st
     error = dict(label=label, applied=applied)
     started = kwargs.pop("async_op", False)  # the caller waits later, through wait()
     try:
-        if limit is None and not started:
+        if not started and not _takes_async_op(fn):  # object collectives: synchronous only
             fn(*args, **kwargs)
             return None
         work = fn(*args, async_op=True, **kwargs)
     except Exception as e:
         raise DistributedStepError(step, name, f"{type(e).__name__}: {e}", **error) from e
+    if work is not None:  # (None: a group of this rank alone ran nothing)
+        _recent.append(work)  # see RECENT_WORKS
     if started:
         return work
-    wait(work, step, name, limit, **error)
+    if work is not None:
+        wait(work, step, name, limit, **error)
     return None
+
+
+# gloo runs a collective on a thread of its own, which drops its reference to the collective
+# (and so to its tensors) just after completing it, possibly after wait() has returned here. If
+# that reference is the last one, that thread frees tensors Python made, which takes the GIL; once
+# the interpreter has begun to exit it cannot, and the process aborts ("terminate called without
+# an active exception") after the user's script has ended. So the library keeps the Work of its
+# latest collectives: the last reference is this process's own, dropped on its own thread, and
+# at exit those still kept are never freed (a gloo thread still holding one then only lets go).
+RECENT_WORKS = 16
+_recent: collections.deque = collections.deque(maxlen=RECENT_WORKS)
+
+
+@atexit.register
+def _keep_past_exit() -> None:
+    for work in _recent:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
+@functools.cache
+def _takes_async_op(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: a plain collective of torch's
+        return True
+    return "async_op" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def group_timeout(group=None) -> datetime.timedelta | None:

@@ -77,8 +77,3 @@ def retire(*groups) -> None:
     for entry, (_, _, value) in list(_CACHE.items()):
         if any(m is g for m in _members(value) for g in doomed):
             del _CACHE[entry]
-
-
-def is_retired(group) -> bool:
-    """Whether ``group`` is no longer in the cache (retired, or never made here)."""
-    return not any(m is group for (_, _, value) in _CACHE.values() for m in _members(value))

@@ -8,7 +8,9 @@ Layout (``HEADER_WORDS`` int32 words per rank):
             applies with (every param group's lr, betas and weight_decay; 0 where the caller
             has none), so that ranks set apart (a learning rate changed on one rank only) skip
             the step together and raise instead of drifting apart
-    word 1  the step counter modulo 2**31 (the tie rule's step, ``DistributedLion``'s step)
+    word 1  the step counter modulo 2**31 (the tie rule's step, ``DistributedLion``'s step),
+            copied on the device from the counter tensor when the step has one (a step captured
+            in a CUDA graph reads it at every replay)
 
 All ranks all-gather their headers, so every rank takes the same decision from the same words:
 skip when any rank flags a non-finite gradient, and raise on every rank when the ranks are not on
@@ -56,13 +58,18 @@ class StepMismatchError(RuntimeError):
     """Ranks of one group called the step with different step counters; nothing was modified."""
 
 
-def make_header(flag: torch.Tensor, step: int, word: int = 0) -> torch.Tensor:
+def make_header(flag: torch.Tensor, step, word: int = 0, counter=None) -> torch.Tensor:
     """This rank's header on ``flag``'s device; ``flag`` is an int32 [1] tensor, nonzero for a
     non-finite gradient (it is not read back here); ``word``: further bits of word 0 (the
-    settings digest, ``settings_word``)."""
+    settings digest, ``settings_word``). The step word is ``step`` (an int), or, with
+    ``counter`` (the step counter, an int64 [1] tensor on that device), the counter's value,
+    copied there without reading it back."""
     header = torch.empty(HEADER_WORDS, dtype=torch.int32, device=flag.device)
     header[0:1] = (flag != 0).to(torch.int32) * NONFINITE | word
-    header[1:2].fill_(step % _STEP_MOD)  # a kernel argument: item assignment would copy from host
+    if counter is not None:
+        header[1:2] = (counter.reshape(1) % _STEP_MOD).to(torch.int32)
+    else:
+        header[1:2].fill_(step % _STEP_MOD)  # a kernel argument: item assignment copies from host
     return header
 
 

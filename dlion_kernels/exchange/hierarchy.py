@@ -111,17 +111,6 @@ NODE_GATHER = "all_gather(node aggregate)"
 COMMIT = "all_gather(commit)"
 
 
-@dataclass(frozen=True)
-class HierarchicalStepStats(StepStats):
-    """StepStats of a hierarchical step: ``bytes_sent`` is the total; intra- and inter-node bytes
-    are also given apart. ``world_size`` is n (all ranks); N = ``nodes`` voters."""
-
-    intra_node_bytes_sent: int = 0
-    inter_node_bytes_sent: int = 0
-    nodes: int = 1
-    ranks_per_node: int = 1
-
-
 # ----------------------------------------------------------------------------- the option
 
 
@@ -178,6 +167,9 @@ class Topology:
     intra: object  # process group of this rank's node
     inter: object  # process group of this rank's local rank across nodes
     whole: object = None  # a group of all n ranks the library made (``commit``)
+    # the nodes the momentum shards are laid out for (``ShardLayout``): N, or 1 where N changes
+    # from step to step (``quorum_topology``)
+    layout_nodes: int | None = None
 
 
 def topology(group, ranks_per_node: int, timeout=None) -> Topology:
@@ -201,6 +193,18 @@ def topology(group, ranks_per_node: int, timeout=None) -> Topology:
     return Topology(n, L, n // L, node, local, intra[node], inter[local], whole)
 
 
+def quorum_topology(inter, nodes: int, node: int) -> Topology:
+    """The topology of a replica of L ranks on torchft's quorum (``elastic.py``): the replica is
+    the node (its own job: the default group holds its L ranks), ``inter`` the quorum's group
+    of this rank's position (``nodes`` replicas, this one ``node``-th). The last collective
+    (``commit``) runs inside the replica; torchft's ``should_commit`` decides between replicas.
+    The momentum shards are laid out as for one node, so they stay put when the quorum's size
+    changes (the inter-node exchange pads a node shard to N sub-shards instead)."""
+    L, local = dist.get_world_size(), dist.get_rank()
+    return Topology(nodes * L, L, nodes, node, local, dist.group.WORLD, inter, dist.group.WORLD,
+                    layout_nodes=1)
+
+
 def commit(topo: Topology, mine: torch.Tensor, step, timeout=None):
     """The step's last collective: every rank's [flags, step] (``mine``), all-gathered over all
     n ranks once this rank has everything it needs to apply. A collective of some ranks (a node,
@@ -209,11 +213,12 @@ def commit(topo: Topology, mine: torch.Tensor, step, timeout=None):
     completes on no rank unless every rank has reached it, so a rank that dies or stalls at any
     collective of the step leaves every rank unapplied. Returns the n headers [1, n, 2] and the
     bytes this rank sent (between nodes, for the most part)."""
-    if topo.n == 1:
+    ranks = dist.get_world_size(topo.whole) if topo.layout_nodes == 1 else topo.n
+    if ranks == 1:
         return mine.view(1, 1, HEADER_WORDS), 0
-    out = torch.empty(topo.n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
+    out = torch.empty(ranks * HEADER_WORDS, dtype=torch.int32, device=mine.device)
     collective(COMMIT, step, all_gather, out, mine.contiguous(), topo.whole, timeout=timeout)
-    return out.view(1, topo.n, HEADER_WORDS), (topo.n - 1) * HEADER_WORDS * WORD_BYTES
+    return out.view(1, ranks, HEADER_WORDS), (ranks - 1) * HEADER_WORDS * WORD_BYTES
 
 
 def check_tensors(params, grads) -> None:
@@ -242,8 +247,9 @@ class ShardLayout:
     def build(cls, numels, topo: Topology) -> ShardLayout:
         numels = tuple(numels)
         offsets, total = block_offsets(numels)
-        sub = shard_blocks(total, topo.n)
-        shard = topo.nodes * sub
+        nodes = topo.layout_nodes or topo.nodes
+        sub = shard_blocks(total, nodes * topo.ranks_per_node)
+        shard = nodes * sub
         return cls(numels, tuple(offsets), total, sub, shard, topo.local * shard)
 
     def piece(self, i: int) -> tuple[int, int, int]:
@@ -378,7 +384,7 @@ def _node_mean_grad(tensors, grads, layout: ShardLayout, topo: Topology, step, t
 
 def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, group, backend,
                           step, nonfinite, timeout=None, found_inf=None,
-                          problem=None) -> HierarchicalStepStats:
+                          problem=None, topo=None, gate=None) -> StepStats:
     """One hierarchical step for validated segments (their ``exp_avgs`` are not used: the
     momentum comes from ``momentum``, a FullMomentum or ShardedMomentum).
 
@@ -395,19 +401,26 @@ def run_hierarchical_step(segments, momentum, *, ranks_per_node, mode, votes, gr
     ``problem``: an error this rank found in its own input (the gradients then count as None):
     it takes part in every collective up to the flags', which tell every rank (``ABORTED``), and
     every rank raises the same error (``pipeline.explain``). Settings that differ between ranks
-    (``header.settings_word`` in the last collective) raise the same error everywhere too."""
-    topo = topology(group, ranks_per_node, timeout)
+    (``header.settings_word`` in the last collective) raise the same error everywhere too.
+
+    ``topo`` and ``gate``: a replica on torchft's quorum (``quorum_topology``, ``elastic.Gate``):
+    a collective between replicas that fails is reported to the gate and the replica goes on
+    with the collectives inside it, flagged as given up (so none of its ranks waits for this
+    one), and the gate's ``commit`` is asked before anything is applied."""
+    topo = topo or topology(group, ranks_per_node, timeout)
     try:
         return _hierarchical_step(topo, segments, momentum, mode=mode, votes=votes,
                                   backend=backend, step=step, nonfinite=nonfinite,
-                                  timeout=timeout, found_inf=found_inf, problem=problem)
+                                  timeout=timeout, found_inf=found_inf, problem=problem,
+                                  gate=gate)
     except DistributedStepError:
-        retire(topo.intra, topo.inter, topo.whole)  # work may be pending on them: never reuse
+        if gate is None:
+            retire(topo.intra, topo.inter, topo.whole)  # work may be pending: never reuse
         raise
 
 
 def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, nonfinite,
-                       timeout, found_inf, problem) -> HierarchicalStepStats:
+                       timeout, found_inf, problem, gate=None) -> StepStats:
     L, N = topo.ranks_per_node, topo.nodes
     tensors = [p for s in segments for p in s.params]
     grads_all = [g for s in segments for g in s.grads]
@@ -425,11 +438,10 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
     intra = inter = 0
 
     def stats(skipped=False):
-        return HierarchicalStepStats(
+        return StepStats(
             bytes_sent=intra + inter, bytes_received=intra + inter, numel=numel,
             world_size=topo.n, mode=mode, votes=votes, backend=name, skipped=skipped,
-            intra_node_bytes_sent=intra, inter_node_bytes_sent=inter, nodes=N,
-            ranks_per_node=L)
+            intra_node_bytes_sent=intra, nodes=N, ranks_per_node=L)
 
     # 1. node-mean gradient of this rank's shard, fp32 sums
     grad, sent = _node_mean_grad(tensors, grads_all, layout, topo, step, timeout, device)
@@ -442,10 +454,17 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
     if found_inf is not None:  # the scaler's check of this rank's own (unscaled) gradients
         flag = flag | (found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
     flag = (flag != 0).to(torch.int32) | (ABORTED if problem is not None else 0)
+    failed = False  # a collective between replicas failed (elastic: reported to the gate)
     if N > 1:
         flags = torch.empty(N, dtype=torch.int32, device=device)
-        collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
-        flag = ((flags & NONFINITE).amax() | (flags & ABORTED).amax()).view(1)
+        try:
+            collective(FLAGS, step, all_gather, flags, flag, topo.inter, timeout=timeout)
+            flag = ((flags & NONFINITE).amax() | (flags & ABORTED).amax()).view(1)
+        except DistributedStepError as e:
+            if gate is None:
+                raise
+            gate.fail(e)
+            failed, flag = True, flag | ABORTED  # the replica's other ranks learn it below
         inter += (N - 1) * WORD_BYTES
     headers = make_header(flag & NONFINITE, step)
     headers[0:1] |= flag & ABORTED
@@ -476,11 +495,20 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
             part = slice(BLOCK * lo, BLOCK * hi)
             rows.append(Row(grad[part], grad[part], exp_avg[part], lo, s))
     bucket = BucketWork(rows, S, ex)
-    bucket.start()
-    bucket.advance()
-    bucket.wait()
+    try:
+        bucket.start()
+        bucket.advance()
+        bucket.wait()
+    except DistributedStepError as e:
+        if gate is None:
+            raise
+        gate.fail(e)  # the node's collectives below go on, flagged: nothing will be applied
+        failed = True
+        bucket.aggregate = torch.zeros(N * bucket.shard * ex.p_out, dtype=torch.int32,
+                                       device=device)
     inter += ex.sent
-    decide(bucket.header)  # the other nodes' steps (their flags were checked above)
+    if not failed:
+        decide(bucket.header)  # the other nodes' steps (their flags were checked above)
 
     # 5. the node's aggregate shards side by side are the flat aggregate. Gathered before the
     # momentum is written: a peer dying in this last collective leaves nothing half-applied.
@@ -491,13 +519,17 @@ def _hierarchical_step(topo, segments, momentum, *, mode, votes, backend, step, 
         intra += (L - 1) * owned.numel() * WORD_BYTES
     else:
         aggregate = owned
+    if bucket.shard * N != S:  # a node shard padded to N sub-shards (``quorum_topology``)
+        aggregate = aggregate.view(L, -1)[:, : S * ex.p_out].reshape(-1)
 
     # 6. over all n ranks, once every rank has its aggregate: the step applies everywhere or
     # nowhere (``commit``)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
-    headers, sent = commit(topo, make_header(zero, step, settings_word(0, segments)), step,
-                           timeout)
+    headers, sent = commit(topo, make_header(zero, step, settings_word(
+        ABORTED if failed else 0, segments)), step, timeout)
     inter += sent
+    if gate is not None and not gate.commit():  # torchft: not on every replica, nothing here
+        return stats(skipped=True)
     # ranks that set other lr, betas or weight_decay: the same error everywhere, nothing applied
     explain(headers, None, segments, [topo.whole], step, timeout)
 
@@ -656,16 +688,16 @@ class OverlapStep:
         self.committed += sent
         return gathered
 
-    def finish(self) -> HierarchicalStepStats:
+    def finish(self) -> StepStats:
         """Waits, decides for all buckets and all n ranks at once, and applies;
         ``self.verdict`` holds the decision (read on the host here)."""
         ex = self.ex
         stats = ex.finish(agree=self._commit)  # raises a step mismatch / NonFinite...
         self.verdict = ex.verdict
-        return HierarchicalStepStats(
+        return StepStats(
             bytes_sent=self.intra + ex.sent + self.committed,
             bytes_received=self.intra + ex.sent + self.committed,
             numel=stats.numel, world_size=self.topo.n, mode=self.mode, votes=self.votes,
             backend=ex.backend, skipped=stats.skipped, buckets=stats.buckets,
-            intra_node_bytes_sent=self.intra, inter_node_bytes_sent=ex.sent + self.committed,
-            nodes=self.topo.nodes, ranks_per_node=self.topo.ranks_per_node)
+            intra_node_bytes_sent=self.intra, nodes=self.topo.nodes,
+            ranks_per_node=self.topo.ranks_per_node)

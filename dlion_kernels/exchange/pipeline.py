@@ -49,6 +49,14 @@ Streams (CUDA; on CPU every call below is a no-op and the same code runs):
   queues a copy into pinned host memory behind an event and leaves the ``Verdict`` to be read
   later (at the next step, when the GPU is long past this one), so the step makes no
   device-to-host synchronisation at all.
+
+CUDA graphs (one rank). A deferred step can be captured in a CUDA graph and replayed: the
+exchange then takes the step counter as a device tensor (``StepCounter``), which the header's
+step word and the tie rule read on the device and ``finish`` advances there (by one, unless the
+step is skipped), so every replay is the next step. The decision of a captured step keeps the
+device headers (the last replay's, when read) instead of copying them to the host. The launch
+tables of the step's tensors must exist before capture: a step run once outside capture with
+the same tensors builds them (``kernels/tables.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +81,46 @@ from .header import (
     settings_differ,
     settings_word,
 )
+
+
+def capturing(device) -> bool:
+    """Whether the current CUDA stream of ``device`` is being captured in a CUDA graph."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class StepCounter:
+    """The step counter of one optimizer on its parameters' device (``value``, int64 [1]), for
+    steps that a CUDA graph may capture: the header and the tie rule read it on the device, and
+    each step advances it there (``Exchange.finish``: by one, unless skipped). The host's count
+    stays the authority while no step has been captured; once one was, graphs may have advanced
+    the device's, so the host takes it from there (``read``, outside capture)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.value = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.captured = False  # a step was captured: the device's count is the authority
+
+    def start(self, step: int) -> int:
+        """At a step's start, with the host's ``step``: the step this one is. Outside capture
+        the device takes the host's count (a fill kernel, nothing read back) until a capture,
+        and gives its own afterwards (one read); during capture the graph reads the device's
+        count at every replay, so nothing is written."""
+        if capturing(self.device):
+            self.captured = True
+            return step
+        if self.captured:
+            return self.read()
+        self.value.fill_(step)
+        return step
+
+    def read(self) -> int:
+        """The device's count (a host sync on CUDA; never during capture)."""
+        return int(self.value.item())
+
+    def reset(self, step: int) -> None:
+        """Set the count (a loaded state); replays of a captured step go on from it."""
+        self.value.fill_(step)
 
 # Names of the two collectives in errors (DistributedStepError) and in the fault tests
 A2A, GATHER = "all_to_all_single(votes)", "all_gather(aggregate)"
@@ -106,17 +154,45 @@ class StepAbortedError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one step did on this rank. Bytes are what this rank's collectives sent/received."""
+    """What one step did on this rank. Bytes are what this rank's collectives sent/received.
+
+    The fields after ``buckets`` say more where a step has more to say, and keep their defaults
+    elsewhere:
+
+    - where the bytes went, when the voters are nodes or replicas of several ranks (hierarchy,
+      FSDP2, a replica of several ranks on torchft): ``intra_node_bytes_sent`` is the part that
+      stayed inside a node (a node's reduce-scatter and gathers, FSDP2's header gather, a
+      replica's own agreement), ``inter_node_bytes_sent`` the rest; ``nodes`` and
+      ``ranks_per_node`` (hierarchy: N voters of L ranks; ``world_size`` is then all n ranks),
+      ``shards`` (FSDP2: the L ranks a replica is sharded over; ``numel`` counts this rank's
+      local elements and ``world_size`` is the N replicas voting on them);
+    - a step on torchft's quorum (``manager=``): ``participants`` (the replicas of this step,
+      also ``world_size``), ``committed`` (what ``should_commit`` said; False: nothing was
+      applied here, and ``skipped`` is True) and ``manager_step`` (the manager's step count
+      after it). None without a manager.
+    """
 
     bytes_sent: int
     bytes_received: int
     numel: int
     world_size: int
-    mode: str
-    votes: str
-    backend: str
+    mode: str | None
+    votes: str | None
+    backend: str | None
     skipped: bool = False
     buckets: int = 1
+    intra_node_bytes_sent: int = 0
+    nodes: int | None = None
+    ranks_per_node: int = 1
+    shards: int = 1
+    participants: int | None = None
+    committed: bool | None = None
+    manager_step: int | None = None
+
+    @property
+    def inter_node_bytes_sent(self) -> int:
+        """What went between nodes or replicas: all of ``bytes_sent`` on one flat group."""
+        return self.bytes_sent - self.intra_node_bytes_sent
 
     @property
     def allreduce_fp32_bytes(self) -> int:
@@ -265,46 +341,52 @@ class BucketWork:
         ex, n, shard = self.ex, self.ex.n, self.shard
         rows = [r for r in self.rows if r.param.numel() > 0]  # empty tensors own no block
         device = ex.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = None
         if ex.found_inf is None:
             for part in by_dtype([(r.grad,) for r in rows if r.grad is not None]):
-                flag |= ex.stages.nonfinite([g for (g,) in part])
+                found = ex.stages.nonfinite([g for (g,) in part])
+                flag = found if flag is None else flag | found
         elif not ex.works:  # the caller's check covers every gradient: flag it once
             flag = (ex.found_inf.reshape(-1)[:1] != 0).to(device=device, dtype=torch.int32)
+        if flag is None:
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
         votes = torch.zeros(n * shard * ex.p_in, dtype=torch.int32, device=device)
         for seg_rows in _by_segment(rows):
             beta1 = seg_rows[0].segment.beta1
             for part in by_dtype([(r.grad, r.exp_avg, r.offset) for r in seg_rows]):
                 g, m, off = zip(*part)
                 ex.stages.local_step(list(g), list(m), votes, list(off), beta1, ex.ternary)
+        header = make_header(flag, ex.step, settings_word(0, ex.segments), ex.counter)
+        if ex.aborted:
+            header[0:1] |= ABORTED
+        if n == 1:
+            # nothing to send: the tally reads the votes where the local step wrote them (a
+            # step of one rank launches as few kernels as it can: CUDA graphs replay each one)
+            self.header, self.stacked = header.view(1, HEADER_WORDS), votes.view(1, -1)
+            return
         width = HEADER_WORDS + shard * ex.p_in
         self.send = torch.empty(n, width, dtype=torch.int32, device=device)
-        self.send[:, :HEADER_WORDS] = make_header(flag, ex.step, settings_word(0, ex.segments))
-        if ex.aborted:
-            self.send[:, 0] |= ABORTED
+        self.send[:, :HEADER_WORDS] = header
         self.send[:, HEADER_WORDS:] = votes.view(n, -1)
-        if n == 1:
-            self.received = self.send
-        else:
-            self.received = torch.empty_like(self.send)
-            self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
-                                   self.send.view(-1), group=ex.group, async_op=True)
-            self.name = A2A
-            ex.sent += (n - 1) * width * WORD_BYTES
+        self.received = torch.empty_like(self.send)
+        self.work = collective(A2A, ex.step, dist.all_to_all_single, self.received.view(-1),
+                               self.send.view(-1), group=ex.group, async_op=True)
+        self.name = A2A
+        ex.sent += (n - 1) * width * WORD_BYTES
 
     def reduce(self) -> None:
         """Stage 1, once the all_to_all is complete: tally the owned shard, gather the
         aggregate."""
         ex, n = self.ex, self.ex.n
-        self.header = self.received[:, :HEADER_WORDS]
-        stacked = self.received[:, HEADER_WORDS:].contiguous()
-        if n == 1:
+        if n == 1:  # the header and the votes as ``start`` left them
             self.aggregate = torch.empty(self.shard * ex.p_out, dtype=torch.int32,
                                          device=ex.device)
-            ex.stages.tally(stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.step)
+            ex.stages.tally(self.stacked, self.aggregate, 1, ex.mode, ex.ternary, ex.tally_step)
             return
+        self.header = self.received[:, :HEADER_WORDS]
+        stacked = self.received[:, HEADER_WORDS:].contiguous()
         owned = torch.empty(self.shard * ex.p_out, dtype=torch.int32, device=ex.device)
-        ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.step)
+        ex.stages.tally(stacked, owned, n, ex.mode, ex.ternary, ex.tally_step)
         self.aggregate = torch.empty(n * self.shard * ex.p_out, dtype=torch.int32,
                                      device=ex.device)
         self.work = collective(GATHER, ex.step, all_gather, self.aggregate, owned,
@@ -376,7 +458,11 @@ class Verdict:
         self.skip, self.nonfinite, self.scaled = skip, nonfinite, scaled
         self.step = step
         self.event = None
-        if defer and headers.is_cuda:
+        if defer and capturing(headers.device):
+            # captured: no copy or event in the graph; the device headers (rewritten by every
+            # replay, kept alive by the graph's memory pool) are read when resolved
+            self.headers = headers
+        elif defer and headers.is_cuda:
             self.headers = torch.empty(headers.shape, dtype=headers.dtype, pin_memory=True)
             self.headers.copy_(headers, non_blocking=True)
             self.event = torch.cuda.Event()
@@ -415,17 +501,32 @@ class Exchange:
 
     def __init__(self, *, device, mode, votes, group, backend, step, nonfinite,
                  found_inf=None, streams: Streams | None = None, timeout=None,
-                 segments=None, late: bool = False):
+                 segments=None, late: bool = False, counter=None):
         self.group, self.n = resolve_group(group)
         self.timeout = timeout
         self.device = torch.device(device)
         check_group_device(self.group, self.n, self.device)
+        if capturing(self.device):
+            if self.n > 1:
+                raise ValueError("a D-Lion step is captured in a CUDA graph on one rank only "
+                                 f"(world size 1); this exchange's group has {self.n} ranks")
+            if nonfinite == "raise" and found_inf is None:
+                raise ValueError("a D-Lion step captured in a CUDA graph reads nothing on the "
+                                 "host, so it cannot raise on a non-finite gradient: pass "
+                                 "nonfinite='skip' (the step is then skipped on the device)")
+            if counter is None:
+                raise ValueError("a D-Lion step captured in a CUDA graph needs its step counter "
+                                 "on the device (an int64 tensor of one element): a step number "
+                                 "given as an int would be the same at every replay")
         self.backend = backends.resolve(backend, self.device)
         self.stages = backends.get(self.backend)  # kernel stages v2 (docs/backends.md)
         self.mode, self.votes, self.nonfinite = mode, votes, nonfinite
         self.ternary = votes == "ternary"
         self.p_in, self.p_out = vote_planes(votes), aggregate_planes(mode, votes, self.n)
-        self.step = int(step)
+        self.step = None if step is None else int(step)  # None: only the counter knows it
+        # the step counter on the device (int64 [1], ``StepCounter.value``): read by the header
+        # and the tally, advanced by ``finish``; None: ``step`` is the counter
+        self.counter = counter
         self.found_inf = found_inf  # GradScaler's overflow check replaces the scan (header.py)
         self.streams = streams if streams is not None else Streams(self.device)
         self.works: list[BucketWork] = []
@@ -444,6 +545,12 @@ class Exchange:
         self.explainer, self.explain_groups = None, None
         # groups the library made that this step's collectives use: retired when one fails
         self.made_groups: list = []
+        self.committed = None  # finish(commit=...)'s answer
+
+    @property
+    def tally_step(self):
+        """The tie rule's step: the counter tensor (read on the device) or the int."""
+        return self.counter if self.counter is not None else self.step
 
     @contextlib.contextmanager
     def _retiring(self):
@@ -520,7 +627,8 @@ class Exchange:
             for w in self.works:
                 w.wait()
 
-    def finish(self, defer: bool = False, agree=None, abort: bool = False) -> StepStats:
+    def finish(self, defer: bool = False, agree=None, abort: bool = False,
+               commit=None) -> StepStats:
         """The step's end; ``self.verdict`` holds its decision. ``defer``: do not read it on the
         host (``Verdict``); the returned stats then say ``skipped=False`` until the caller
         resolves ``self.verdict``. ``agree``: None, or a function of the received headers
@@ -532,7 +640,10 @@ class Exchange:
         step's last collective, after the last thing a rank can find wrong. ``abort``: this
         rank gives up the step (an error of its own, ``self.problem``): every collective runs
         as in a normal finish (so every rank's sequence stays matched and the others learn
-        it), and nothing is applied anywhere.
+        it), and nothing is applied anywhere. ``commit``: None, or a function asked once every
+        collective of the step has returned and before anything is applied (torchft's
+        ``should_commit``, ``elastic.py``): False applies nothing on this rank and raises
+        nothing (the step is reported skipped; ``self.committed`` keeps the answer).
 
         One decision: a rank that gave the step up, or ranks whose settings differ, make every
         rank raise the same error (``explain``), read on the host here unless deferred."""
@@ -542,29 +653,45 @@ class Exchange:
             for w in self.works:
                 w.wait()
             if self.works:
-                headers = torch.stack([w.header for w in self.works])  # [buckets, n, 2]
-                # torch.full: a fill kernel (torch.tensor would copy from pageable host memory,
-                # a host sync on CUDA)
-                word = torch.full((1,), settings_word(ABORTED if self.aborted else 0,
-                                                      self.segments),
-                                  dtype=torch.int32, device=self.device)
-                if agree is not None:
-                    headers = agree(headers, word)
-                elif self.late and self.n > 1:
-                    headers = torch.cat([headers, self._verdict_row(word, headers)])
+                # [buckets, n, 2] (one bucket: a view, no copy)
+                headers = (self.works[0].header.unsqueeze(0) if len(self.works) == 1 else
+                           torch.stack([w.header for w in self.works]))
+                if agree is not None or (self.late and self.n > 1):
+                    # torch.full: a fill kernel (torch.tensor would copy from pageable host
+                    # memory, a host sync on CUDA)
+                    word = torch.full((1,), settings_word(ABORTED if self.aborted else 0,
+                                                          self.segments),
+                                      dtype=torch.int32, device=self.device)
+                    if agree is not None:
+                        headers = agree(headers, word)
+                    else:
+                        headers = torch.cat([headers, self._verdict_row(word, headers)])
             else:
                 headers = torch.zeros(0, self.n, HEADER_WORDS, dtype=torch.int32,
                                       device=self.device)
             # One device flag for all buckets: any rank's non-finite gradient, a rank that gave
             # up, a rank at another step or with other settings skips every apply of every rank.
-            skip = ((headers[..., 0] & (NONFINITE | ABORTED)).amax()
-                    | (headers[..., 1] != headers[0, 0, 1]).any()
-                    | settings_differ(headers[..., 0])).view(1) if self.works else None
+            # (Headers of one rank: its own flags alone can differ from nothing.)
+            skip = None
+            if self.works:
+                skip = (headers[..., 0] & (NONFINITE | ABORTED)).amax()
+                if headers.shape[-2] > 1:
+                    skip = (skip | (headers[..., 1] != headers[0, 0, 1]).any()
+                            | settings_differ(headers[..., 0]))
+                skip = skip.view(1)
             if skip is not None and self.aborted:
                 skip = torch.ones_like(skip)
+        if commit is not None:
+            self.committed = bool(commit())
+            if not self.committed:  # nothing applied here, nothing raised: the step is dropped
+                return StepStats(self.sent, self.sent, sum(w.numel for w in self.works), self.n,
+                                 self.mode, self.votes, self.backend, skipped=True,
+                                 buckets=len(self.works))
         if self.works and not defer:
             self.explain(headers)  # raises the same error on every rank, before any apply
         self.streams.current_waits_side()
+        if self.counter is not None:  # the next step's count, on the device
+            self.counter.add_(1 if skip is None else skip == 0)
         self.streams.used_on_current([w.aggregate for w in self.works] + [headers])
         for w in self.works:
             w.apply(skip)
@@ -600,17 +727,20 @@ class Exchange:
 
 
 def run_buckets(segments, buckets, *, mode, votes, group, backend, step, nonfinite,
-                found_inf=None, streams=None) -> StepStats:
+                found_inf=None, streams=None, counter=None) -> StepStats:
     """One step of already-validated ``segments`` exchanged as ``buckets``: a list of
-    ``(blocks, [(segment index, tensor index, block offset), ...])``."""
+    ``(blocks, [(segment index, tensor index, block offset), ...])``. ``counter``: the step
+    counter on the device (``Exchange``); inside CUDA graph capture the decision is not read on
+    the host (the returned stats say ``skipped=False``; the counter did not advance if it was)."""
     tensors = [t for s in segments for t in s.params]
     device = tensors[0].device if tensors else torch.device("cpu")
     ex = Exchange(device=device, mode=mode, votes=votes, group=group, backend=backend, step=step,
-                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments)
+                  nonfinite=nonfinite, found_inf=found_inf, streams=streams, segments=segments,
+                  counter=counter)
     for blocks, entries in buckets:
         rows = []
         for s, i, off in entries:
             seg = segments[s]
             rows.append(ex.row(seg.params[i], seg.grads[i], seg.exp_avgs[i], off, seg))
         ex.add(rows, blocks)
-    return ex.finish()
+    return ex.finish(defer=capturing(device))

@@ -36,6 +36,7 @@ over the local shards):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,8 @@ import torch.distributed as dist
 
 from .collectives import DistributedStepError, collective
 from .groups import cached, new_group, retire, solo_group
-from .header import HEADER_WORDS, NONFINITE
-from .pipeline import StepStats, all_gather
+from .header import HEADER_WORDS, NONFINITE, SETTINGS_SHIFT
+from .pipeline import ABORTED, StepStats, all_gather
 
 REPLICATE, SHARD = "replicate", "shard"
 # Name of the shard group's collective in errors (DistributedStepError) and fault tests
@@ -81,20 +82,6 @@ def sharded_params(params) -> bool:
             f"params mixes DTensor parameters (FSDP2's, e.g. params[{i}]) and plain tensors (e.g. "
             f"params[{j}]): shard every parameter of the optimizer with fully_shard, or none")
     return bool(kinds) and all(kinds)
-
-
-@dataclass(frozen=True)
-class ShardedStepStats(StepStats):
-    """``StepStats`` of a step on FSDP2-sharded parameters. ``numel`` counts this rank's local
-    elements and ``world_size`` is N, the voters of each shard, so ``allreduce_fp32_bytes`` is
-    what HSDP's fp32 all-reduce of the same shard between replicas would send. ``bytes_sent`` is
-    the total: the exchange in the replicate group (between nodes, ``inter_node_bytes_sent``)
-    plus the agreement's header gather over the whole mesh, two words per rank
-    (``intra_node_bytes_sent``: it is no gradient traffic, and mostly inside the node)."""
-
-    intra_node_bytes_sent: int = 0
-    inter_node_bytes_sent: int = 0
-    shards: int = 1  # L
 
 
 @dataclass(frozen=True)
@@ -180,7 +167,8 @@ def mesh_group(sharding: Sharding, step, timeout=None):
 
     def make():
         made = []
-        collective(MESH_GROUP, step, lambda: made.append(
+        # (no Work to wait for: making the group is the collective)
+        collective(MESH_GROUP, step, lambda async_op: made.append(
             new_group(ranks, timeout, use_local_synchronization=local_only)))
         return made[0]
 
@@ -347,43 +335,88 @@ class ShardAgreement:
     ``sent``: the bytes this rank sent in that gather. A failure in it retires the mesh's group
     (``groups.retire``).
 
+    ``replica``: a replica of several ranks on torchft (``elastic.py``), whose voters are other
+    jobs: the mesh is then this replica's own group (the shard group), and each rank folds every
+    header it received (every replica's, for its shard) into its own two words before the
+    gather, so every rank of the replica decides from every rank of every replica. ``fold``
+    gives those two words for a rank whose exchange failed (``failed``: flagged given up).
+
     ``DiLoCo`` makes the same mesh-wide decision for a pseudo-gradient (``mesh_collective``
     too) with an all-reduce (MAX) of one flag and every replica's step instead: it has no
     per-rank words to compare (no ABORTED, no settings digest), and its bytes are counted as that
     all-reduce."""
 
-    def __init__(self, sharding: Sharding, step: int, timeout=None):
+    def __init__(self, sharding: Sharding, step: int, timeout=None, replica: bool = False):
         self.sharding, self.shards = sharding, sharding.shards
-        self.step, self.timeout = step, timeout
+        self.step, self.timeout, self.replica = step, timeout, replica
         self.sent = 0
+        self.issued = False  # its gather was issued (a second one would pair with nothing)
 
-    def __call__(self, headers: torch.Tensor, word: torch.Tensor | None = None) -> torch.Tensor:
-        me = dist.get_rank(self.sharding.replicate) if self.sharding.replicas > 1 else 0
-        own = headers[:, me, :]
-        flags = (own[:, 0] & NONFINITE).amax().view(1) if own.shape[0] else own.new_zeros(1)
+    def fold(self, headers: torch.Tensor | None, word: torch.Tensor | None) -> torch.Tensor:
+        """This rank's words for the gather: its own header's flags OR-ed with ``word``, and its
+        step. ``replica``: the flags of every header it received, the step (-1 where the
+        received steps differ), and the lowest and highest settings digest received (so a
+        replica set apart is seen by every rank of this one). ``headers`` None: this rank's
+        exchange failed; ``word`` then says it gave the step up."""
+        if headers is None:
+            flags = word.to(torch.int32).view(1)
+            step = torch.full((1,), self.step % 2**31, dtype=torch.int32, device=flags.device)
+            digest = flags >> SETTINGS_SHIFT
+            return torch.cat([flags, step, digest, digest])
+        rows = headers.reshape(-1, HEADER_WORDS) if self.replica else \
+            headers[:, dist.get_rank(self.sharding.replicate)
+                       if self.sharding.replicas > 1 else 0, :]
+        if rows.shape[0]:
+            flags = (rows[:, 0] & (NONFINITE | ABORTED if self.replica else NONFINITE)).amax()
+            steps = rows[:, 1]
+            step = torch.where((steps != steps[:1]).any(), -1, steps[0])
+            digests = rows[:, 0] >> SETTINGS_SHIFT
+            low, high = digests.amin(), digests.amax()
+        else:
+            flags = torch.zeros((), dtype=torch.int32, device=headers.device)
+            step = torch.full((), self.step % 2**31, dtype=torch.int32, device=headers.device)
+            low = high = flags
+        flags = flags.view(1)
         if word is not None:
             flags = flags | word.to(flags.device)  # ABORTED, and the settings as step() reads them
-        mine = torch.cat([flags, own[:1, 1]]) if own.shape[0] else \
-            torch.cat([flags.to(torch.int32), flags.new_full((1,), self.step, dtype=torch.int32)])
-        mine = mine.to(torch.int32).contiguous()
-        n = self.sharding.replicas * self.shards
-        if n == 1:
+        mine = [flags, step.view(1)] + ([low.view(1), high.view(1)] if self.replica else [])
+        return torch.cat(mine).to(torch.int32).contiguous()
+
+    def __call__(self, headers: torch.Tensor | None,
+                 word: torch.Tensor | None = None) -> torch.Tensor:
+        mine = self.fold(headers, word)
+        n = self.shards if self.replica else self.sharding.replicas * self.shards
+        if n == 1 and not self.replica:
             return mine.view(1, 1, HEADER_WORDS)
-        gathered = torch.empty(n * HEADER_WORDS, dtype=torch.int32, device=mine.device)
-        mesh_collective(self.sharding, self.step, HEADERS, all_gather, gathered, mine,
-                        timeout=self.timeout)
+        gathered = torch.empty(n * mine.numel(), dtype=torch.int32, device=mine.device)
+        self.issued = True
+        if n == 1:
+            gathered.copy_(mine)
+        elif self.replica:
+            collective(HEADERS, self.step, all_gather, gathered, mine, self.sharding.shard,
+                       timeout=self.timeout)
+        else:
+            mesh_collective(self.sharding, self.step, HEADERS, all_gather, gathered, mine,
+                            timeout=self.timeout)
         self.sent += (n - 1) * mine.numel() * mine.element_size()
-        return gathered.view(1, n, HEADER_WORDS)
+        if not self.replica:
+            return gathered.view(1, n, HEADER_WORDS)
+        # each rank's words as two header rows, one with each settings digest it received
+        words = gathered.view(n, 4)
+        base = words[:, 0] & ~(-1 << SETTINGS_SHIFT)
+        rows = torch.stack([torch.stack([base | (words[:, 2] << SETTINGS_SHIFT), words[:, 1]], 1),
+                            torch.stack([base | (words[:, 3] << SETTINGS_SHIFT), words[:, 1]], 1)])
+        return rows.reshape(1, 2 * n, HEADER_WORDS)
 
 
-def step_stats(stats: StepStats, agreement: ShardAgreement) -> ShardedStepStats:
-    """The exchange's stats with the shard group's bytes added (those inside the node)."""
+def step_stats(stats: StepStats, agreement: ShardAgreement) -> StepStats:
+    """The exchange's stats with the agreement's bytes added (inside the node: FSDP2's header
+    gather). ``numel`` counts this rank's local elements and ``world_size`` is N, the voters of
+    each shard, so ``allreduce_fp32_bytes`` is what HSDP's fp32 all-reduce of the same shard
+    between replicas would send."""
     total = stats.bytes_sent + agreement.sent
-    return ShardedStepStats(total, total, stats.numel, stats.world_size, stats.mode, stats.votes,
-                            stats.backend, skipped=stats.skipped, buckets=stats.buckets,
-                            intra_node_bytes_sent=agreement.sent,
-                            inter_node_bytes_sent=stats.bytes_sent,
-                            shards=agreement.shards)
+    return dataclasses.replace(stats, bytes_sent=total, bytes_received=total,
+                               intra_node_bytes_sent=agreement.sent, shards=agreement.shards)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -41,15 +41,20 @@ def run_step(segments, *, mode, votes, group, backend, step, nonfinite, found_in
 
     found_inf: None, or a one-element tensor from a check the caller made on every gradient
     (GradScaler): nonzero on any rank skips the step on every rank, whatever ``nonfinite`` says.
+    step: an int, None (counts calls in this process) or the step counter on the device (an
+    int64 tensor of one element: read there and advanced there, ``pipeline.StepCounter``).
     """
-    if step is None:
+    counter = None
+    if isinstance(step, torch.Tensor):
+        step, counter = None, step
+    elif step is None:
         step = next(_auto_step)
     sizes = [(s, i, t.numel()) for s, seg in enumerate(segments) for i, t in enumerate(seg.params)]
     offsets, total = block_offsets(numel for _, _, numel in sizes)
     entries = [(s, i, off) for (s, i, _), off in zip(sizes, offsets)]
     return run_buckets(segments, [(total, entries)], mode=mode, votes=votes, group=group,
                        backend=backend, step=step, nonfinite=nonfinite, found_inf=found_inf,
-                       streams=streams)
+                       streams=streams, counter=counter)
 
 
 @torch.no_grad()
@@ -81,7 +86,12 @@ def fused_dlion_step(
     backend: None (auto, or $DLION_BACKEND) | "cuda" | "triton" | "cpu" | "torch".
     step: step counter for the even-n binary tie rule (layout.py); None counts calls in this
         process, which agrees across ranks as long as every rank makes the same calls. Ranks on
-        different steps raise ``StepMismatchError`` on every rank (header.py).
+        different steps raise ``StepMismatchError`` on every rank (header.py). An int64 tensor
+        of one element on the parameters' device is a counter kept there: the step reads it on
+        the device and adds one to it unless the step is skipped, never reading it back. That
+        is what a step captured in a CUDA graph needs (``torch.cuda.graph``, one rank,
+        ``nonfinite="skip"``; run it once outside capture first, with the same tensors, so that
+        its launch tables exist): every replay is then the next step.
     nonfinite: "raise" (default) raises NonFiniteGradientError on every rank when any rank has an
         inf/NaN gradient; "skip" skips the step on every rank. Either way nothing is modified.
     hierarchy: None (flat), "node" ($LOCAL_WORLD_SIZE ranks per node) or an int L: hierarchical
@@ -92,8 +102,16 @@ def fused_dlion_step(
     beta1, beta2 = check_hyperparameters(lr, betas, weight_decay)
     check_options(mode, votes, backend, nonfinite)
     check_tensors(params, grads, exp_avgs)
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    if isinstance(step, torch.Tensor):
+        device = params[0].device if len(params) else step.device
+        if step.dtype != torch.int64 or step.numel() != 1 or step.device != device:
+            raise ValueError(f"step as a tensor must be an int64 counter of one element on the "
+                             f"parameters' device ({device}), got {step.dtype} of "
+                             f"{step.numel()} on {step.device}")
+        if hierarchy is not None:
+            raise ValueError("step as a device counter runs a flat step: pass hierarchy=None")
+    elif step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be an int >= 0, an int64 tensor or None, got {step!r}")
     segment = Segment(list(params), list(grads), list(exp_avgs), float(lr), beta1, beta2,
                       float(weight_decay))
     from . import hierarchy as hier  # imports this module's neighbours

@@ -27,86 +27,126 @@ from .triton import (
 
 
 @triton.jit
+def _store(ptr, offs, numel, value, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=offs < numel)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit
+def _adamw_chunk(x_ptr, g_ptr, a_ptr, m_ptr, v_ptr, y_ptr, offs, numel,
+                 decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps,
+                 K1: tl.constexpr, FLUSH: tl.constexpr, MASKED: tl.constexpr,
+                 SOFT_BF16: tl.constexpr):
+    # every load first: the chunk's bytes in flight together
+    x = load_f32(y_ptr, offs, numel, MASKED, SOFT_BF16)
+    g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
+    m = load_f32(m_ptr, offs, numel, MASKED, False)
+    v = load_f32(v_ptr, offs, numel, MASKED, False)
+    src = g
+    if not K1:
+        a = load_f32(a_ptr, offs, numel, MASKED, False) + g * inv_k
+        src = a
+    x = x * decay
+    mt = m + omb1 * g
+    vt = v + omb2 * (g * g)
+    x = x - step_size * tl.div_rn(mt, tl.div_rn(tl.sqrt_rn(vt), bc2_sqrt) + eps)
+    _store(x_ptr, offs, numel, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), MASKED)
+    if not K1:
+        if FLUSH:
+            _store(a_ptr, offs, numel, tl.zeros_like(src), MASKED)
+        else:
+            _store(a_ptr, offs, numel, src, MASKED)
+    if FLUSH:
+        _store(m_ptr, offs, numel, b1 * (m + omb1 * src), MASKED)
+        _store(v_ptr, offs, numel, b2 * (v + omb2 * (src * src)), MASKED)
+
+
+@triton.jit
 def _adamw_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, v_base, y_base,
                   decay, inv_k, b1, omb1, b2, omb2, step_size, bc2_sqrt, eps,
-                  K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
-                  SOFT_BF16: tl.constexpr):
+                  K1: tl.constexpr, FLUSH: tl.constexpr, ALIGN: tl.constexpr,
+                  BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
     """One chunk of one tensor (accum_reference.py), x read from y (x itself or a source):
         x = y*decay ; a += g*inv_k ; mt = m + omb1*g ; vt = v + omb2*(g*g)
         x = x - step_size * (mt / (sqrt(vt)/bc2_sqrt + eps))
         flush: m = b1*(m + omb1*s) ; v = b2*(v + omb2*(s*s)) ; a = 0   (s = a, or g when K1)
+    ALIGN: every list's element offset is a multiple of it (4 in the 16-byte aligned launch: one
+    4-element vector layout for every list); a whole chunk takes unmasked (vector) accesses.
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(prog_ptr + pid).to(tl.int64)
     row = meta_ptr + t * 15  # x, g, a, m, v, y: (offset, present) each; numel, block, first
-    x_ptr = x_base + tl.load(row)
-    g_ptr = g_base + tl.load(row + 2)
-    a_ptr = a_base + tl.load(row + 4)
-    m_ptr = m_base + tl.load(row + 6)
-    v_ptr = v_base + tl.load(row + 8)
-    y_ptr = y_base + tl.load(row + 10)
+    x_ptr = x_base + tl.multiple_of(tl.load(row), ALIGN)
+    g_ptr = g_base + tl.multiple_of(tl.load(row + 2), ALIGN)
+    a_ptr = a_base + tl.multiple_of(tl.load(row + 4), ALIGN)
+    m_ptr = m_base + tl.multiple_of(tl.load(row + 6), ALIGN)
+    v_ptr = v_base + tl.multiple_of(tl.load(row + 8), ALIGN)
+    y_ptr = y_base + tl.multiple_of(tl.load(row + 10), ALIGN)
     numel = tl.load(row + 12)
-    offs = (pid - tl.load(row + 14)) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    x = load_f32(y_ptr, offs, numel, True, SOFT_BF16)
-    g = load_f32(g_ptr, offs, numel, True, SOFT_BF16)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    x = x * decay
+    start = (pid - tl.load(row + 14)) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        _adamw_chunk(x_ptr, g_ptr, a_ptr, m_ptr, v_ptr, y_ptr, offs, numel, decay, inv_k, b1,
+                     omb1, b2, omb2, step_size, bc2_sqrt, eps, K1, FLUSH, False, SOFT_BF16)
+    else:
+        _adamw_chunk(x_ptr, g_ptr, a_ptr, m_ptr, v_ptr, y_ptr, offs, numel, decay, inv_k, b1,
+                     omb1, b2, omb2, step_size, bc2_sqrt, eps, K1, FLUSH, True, SOFT_BF16)
+
+
+@triton.jit
+def _lion_chunk(x_ptr, g_ptr, a_ptr, m_ptr, y_ptr, offs, numel, lr, wd, inv_k, b1, omb1, b2,
+                omb2, K1: tl.constexpr, FLUSH: tl.constexpr, MASKED: tl.constexpr,
+                SOFT_BF16: tl.constexpr):
+    # every load first: the chunk's bytes in flight together
+    x = load_f32(y_ptr, offs, numel, MASKED, SOFT_BF16)
+    g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16)
+    m = load_f32(m_ptr, offs, numel, MASKED, False)
     src = g
     if not K1:
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * inv_k
+        a = load_f32(a_ptr, offs, numel, MASKED, False) + g * inv_k
         src = a
+    c = b1 * m + omb1 * g
+    sign = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
+    x = x - lr * (sign + wd * x)
+    _store(x_ptr, offs, numel, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), MASKED)
+    if not K1:
         if FLUSH:
-            tl.store(a_ptr + offs, tl.zeros_like(a), mask=mask)
+            _store(a_ptr, offs, numel, tl.zeros_like(src), MASKED)
         else:
-            tl.store(a_ptr + offs, a, mask=mask)
-    mt = m + omb1 * g
-    vt = v + omb2 * (g * g)
-    x = x - step_size * tl.div_rn(mt, tl.div_rn(tl.sqrt_rn(vt), bc2_sqrt) + eps)
-    tl.store(x_ptr + offs, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+            _store(a_ptr, offs, numel, src, MASKED)
     if FLUSH:
-        tl.store(m_ptr + offs, b1 * (m + omb1 * src), mask=mask)
-        tl.store(v_ptr + offs, b2 * (v + omb2 * (src * src)), mask=mask)
+        _store(m_ptr, offs, numel, b2 * m + omb2 * src, MASKED)
 
 
 @triton.jit
 def _lion_kernel(meta_ptr, prog_ptr, x_base, g_base, a_base, m_base, y_base,
                  lr, wd, inv_k, b1, omb1, b2, omb2,
-                 K1: tl.constexpr, FLUSH: tl.constexpr, BLOCK: tl.constexpr,
-                 SOFT_BF16: tl.constexpr):
+                 K1: tl.constexpr, FLUSH: tl.constexpr, ALIGN: tl.constexpr,
+                 BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
     """One chunk of one tensor (accum_reference.py), x read from y (x itself or a source):
         c = b1*m + omb1*g ; x = y - lr*(sign(c) + wd*y) ; a += g*inv_k
         flush: m = b2*m + omb2*s ; a = 0   (s = a, or g when K1)
+    ALIGN and whole chunks: as ``_adamw_kernel``.
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(prog_ptr + pid).to(tl.int64)
     row = meta_ptr + t * 13  # x, g, a, m, y: (offset, present) each; numel, block, first
-    x_ptr = x_base + tl.load(row)
-    g_ptr = g_base + tl.load(row + 2)
-    a_ptr = a_base + tl.load(row + 4)
-    m_ptr = m_base + tl.load(row + 6)
-    y_ptr = y_base + tl.load(row + 8)
+    x_ptr = x_base + tl.multiple_of(tl.load(row), ALIGN)
+    g_ptr = g_base + tl.multiple_of(tl.load(row + 2), ALIGN)
+    a_ptr = a_base + tl.multiple_of(tl.load(row + 4), ALIGN)
+    m_ptr = m_base + tl.multiple_of(tl.load(row + 6), ALIGN)
+    y_ptr = y_base + tl.multiple_of(tl.load(row + 8), ALIGN)
     numel = tl.load(row + 10)
-    offs = (pid - tl.load(row + 12)) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    x = load_f32(y_ptr, offs, numel, True, SOFT_BF16)
-    g = load_f32(g_ptr, offs, numel, True, SOFT_BF16)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    c = b1 * m + omb1 * g
-    sign = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
-    x = x - lr * (sign + wd * x)
-    tl.store(x_ptr + offs, round_to(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
-    src = g
-    if not K1:
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * inv_k
-        src = a
-        if FLUSH:
-            tl.store(a_ptr + offs, tl.zeros_like(a), mask=mask)
-        else:
-            tl.store(a_ptr + offs, a, mask=mask)
-    if FLUSH:
-        tl.store(m_ptr + offs, b2 * m + omb2 * src, mask=mask)
+    start = (pid - tl.load(row + 12)) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        _lion_chunk(x_ptr, g_ptr, a_ptr, m_ptr, y_ptr, offs, numel, lr, wd, inv_k, b1, omb1, b2,
+                    omb2, K1, FLUSH, False, SOFT_BF16)
+    else:
+        _lion_chunk(x_ptr, g_ptr, a_ptr, m_ptr, y_ptr, offs, numel, lr, wd, inv_k, b1, omb1, b2,
+                    omb2, K1, FLUSH, True, SOFT_BF16)
 
 
 def _launch(kind, kernel, lists, dtypes, scalars, k1, flush):
@@ -118,8 +158,9 @@ def _launch(kind, kernel, lists, dtypes, scalars, k1, flush):
     block = chunk_block(numels)
     if not INTERPRETED:
         block = 1024
-    # one launch per alignment group (triton.py's launch_tables); accumulators are right either way
-    for meta, prog, programs, _aligned, base_index in launch_tables(
+    # one launch per alignment group (triton.py's launch_tables): the 16-byte aligned one is told
+    # so (vector accesses), the other not
+    for meta, prog, programs, aligned, base_index in launch_tables(
         kind, device, lists, numels, (0,) * len(numels), block
     ):
         bases = [ts[i] if i >= 0 else params[0] for ts, i in zip(lists, base_index)]
@@ -129,7 +170,8 @@ def _launch(kind, kernel, lists, dtypes, scalars, k1, flush):
         meta, prog = in_use(meta, prog)
         with on_device(device):
             kernel[(programs,)](
-                meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, BLOCK=block,
+                meta, prog, *bases, *scalars, K1=k1, FLUSH=flush, ALIGN=4 if aligned else 1,
+                BLOCK=block,
                 SOFT_BF16=INTERPRETED and params[0].dtype == torch.bfloat16, num_warps=4,
                 **LAUNCH_OPTIONS,
             )

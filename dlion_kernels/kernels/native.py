@@ -4,7 +4,8 @@ Each backend object has the stage functions of ``reference.py`` with the same ar
 results (votes and aggregates bit-exact, fp32 floats bit-exact, bf16/fp16 rounded once):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``
-- ``tally(stacked, out, n, mode, ternary, step)``
+- ``tally(stacked, out, n, mode, ternary, step)`` (``step``: an int or the device counter,
+  ``reference.py``)
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
   skip=None)`` (``exp_avgs`` None, or None entries: x only for those tensors, no momentum)
 
@@ -28,7 +29,7 @@ import torch
 from . import reference
 from .errors import BackendUnavailable
 from .layout import aggregate_planes, num_blocks, tie_pattern, vote_planes
-from .tables import to_device
+from .tables import keep_if_captured, to_device
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _REBUILD = "reinstall with `pip install -e .` (or `pip install .`) from the source tree"
@@ -207,6 +208,7 @@ class _NativeBackend:
         allocator keep its memory until the work queued so far on this stream has completed."""
         if self.cuda:
             table.tensor.record_stream(torch.cuda.current_stream(table.tensor.device))
+            keep_if_captured(table.tensor)
         return table.address
 
     def _cached(self, key):
@@ -374,11 +376,15 @@ class _NativeBackend:
             raise ValueError(f"out is on {out.device}, stacked on {stacked.device}")
         if blocks == 0:
             return
+        reference.check_step(step, stacked.device)
         args = (row_words, n, blocks, out.data_ptr(), mode == "average", bool(ternary))
-        tie = tie_pattern(step) & 0xFFFFFFFF
-        if self.cuda:
-            self._C.cuda_tally(stacked.data_ptr(), *args, tie, *device)
-        else:
+        on_device = isinstance(step, torch.Tensor)
+        if self.cuda:  # a counter tensor is read by the kernel (no host sync)
+            tie = 0 if on_device else tie_pattern(step) & 0xFFFFFFFF
+            self._C.cuda_tally(stacked.data_ptr(), *args, tie,
+                               step.data_ptr() if on_device else 0, *device)
+        else:  # on the CPU the counter is host memory
+            tie = tie_pattern(int(step) if on_device else step) & 0xFFFFFFFF
             self._C.cpu_tally(stacked.data_ptr(), *args, tie, torch.get_num_threads())
 
     def apply(self, params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n,

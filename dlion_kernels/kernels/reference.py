@@ -3,7 +3,9 @@
 Every backend implements the same three functions with the same arguments (see ``backends.py``):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)``: votes of c; m is read only
-- ``tally(stacked, out, n, mode, ternary, step)``
+- ``tally(stacked, out, n, mode, ternary, step)``: ``step`` an int, or the step counter as an
+  int64 tensor of one element on ``stacked``'s device (read there: a step captured in a CUDA
+  graph follows the counter on every replay)
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
   skip=None)``: x and m, unless ``skip`` (int32 [1] on the device) holds a non-zero flag;
   ``exp_avgs=None``: x only, no momentum read or written, and ``grads`` (then None or any list)
@@ -65,8 +67,28 @@ def local_step(grads, exp_avgs, votes, offsets, beta1, ternary):
         votes[off * planes : (off + nb) * planes] = pack_bits(vote, mf.numel())
 
 
+def check_step(step, device) -> None:
+    """``step`` for a tally: an int >= 0, or an int64 tensor of one element on ``device``."""
+    if isinstance(step, torch.Tensor):
+        if step.dtype != torch.int64 or step.numel() != 1 or step.device != device:
+            raise TypeError(f"a step counter tensor must be int64 of one element on {device}, "
+                            f"got {step.dtype} of {step.numel()} on {step.device}")
+    elif isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise TypeError(f"step must be an int or an int64 tensor, got {type(step).__name__}")
+
+
+def tie_bits(step, device) -> torch.Tensor:
+    """int64 [32]: bit j of the tie pattern at ``step`` (layout.py: 1 where j + step is even);
+    ``step`` an int, or the counter tensor (computed on its device, never read back)."""
+    shifts = _SHIFTS.to(device)
+    if isinstance(step, torch.Tensor):
+        return ((shifts + step.reshape(()).to(device)) % 2 == 0).to(torch.int64)
+    return (tie_pattern(step) >> shifts) & 1
+
+
 def tally(stacked, out, n, mode, ternary, step):
     """Aggregate n stacked packed vote vectors [n, P_in * blocks] into ``out`` [P_out * blocks]."""
+    check_step(step, stacked.device)
     bits = unpack_bits(stacked.reshape(n, -1), vote_planes("ternary" if ternary else "binary"))
     device = stacked.device
     if ternary:
@@ -78,7 +100,7 @@ def tally(stacked, out, n, mode, ternary, step):
     else:
         k = bits[:, :, 0].sum(0)  # number of +1 votes, 0..n
         if mode == "vote":
-            pattern = (tie_pattern(step) >> _SHIFTS.to(device)) & 1
+            pattern = tie_bits(step, device)
             result = [(2 * k > n) | ((2 * k == n) & (pattern == 1))]
         else:
             result = [(k >> p) & 1 for p in range(aggregate_planes(mode, "binary", n))]

@@ -4,7 +4,7 @@ Same functions, same arguments, same results as the reference (votes and aggrega
 fp32 arithmetic in the reference's order with no fused multiply-add):
 
 - ``local_step(grads, exp_avgs, votes, offsets, beta1, ternary)`` (m is read only)
-- ``tally(stacked, out, n, mode, ternary, step)``
+- ``tally(stacked, out, n, mode, ternary, step)`` (``step``: an int or the device counter)
 - ``apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, n, mode, ternary,
   skip=None)`` (writes x and m; ``skip`` is read by the kernel, no host sync; ``exp_avgs`` None
   or None entries: x only for those tensors, no momentum and no gradient read)
@@ -49,8 +49,8 @@ import triton
 import triton.language as tl
 
 from .layout import MAX_VOTERS, aggregate_planes, num_blocks, tie_pattern, vote_planes
-from .reference import nonfinite
-from .tables import to_device
+from .reference import check_step, nonfinite
+from .tables import keep_if_captured, to_device
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # No fused multiply-add on the GPU: c = b1*m + omb1*g must round after each operation, as in the
@@ -218,9 +218,11 @@ def _compare(c, p: tl.constexpr, h, gt, eq):
 
 
 @triton.jit
-def _store_plane(out_ptr, b, mask, c, p: tl.constexpr, NP: tl.constexpr):
+def _put_plane(tile, planes, c, p: tl.constexpr, NP: tl.constexpr):
+    """Column p of the [BW, NPP] output tile = counter plane c (a no-op past NP planes)."""
     if NP > p:
-        tl.store(out_ptr + b * NP + p, c, mask=mask)
+        tile = tl.where(planes[None, :] == p, c[:, None], tile)
+    return tile
 
 
 @triton.jit
@@ -232,9 +234,12 @@ def _tally_kernel(
     blocks,
     h,  # the count to compare with: n // 2 (binary), n (ternary, biased count)
     tie,  # binary vote, even n: tie_pattern(step); else 0
+    step_ptr,  # int64 [1]: the step counter (read only if STEP_ON_DEVICE)
     MODE_AVG: tl.constexpr,
     TERNARY: tl.constexpr,
+    STEP_ON_DEVICE: tl.constexpr,  # the tie pattern from the counter at step_ptr, not ``tie``
     NP: tl.constexpr,  # counter planes = output planes of the average modes
+    NPP: tl.constexpr,  # NP rounded up to a power of two (the output tile's columns)
     BW: tl.constexpr,  # blocks per program
 ):
     """Per bit lane of BW blocks, over the n ranks i, with bit-sliced counters:
@@ -269,22 +274,28 @@ def _tally_kernel(
         base += row_stride
 
     if MODE_AVG:
-        _store_plane(out_ptr, b, mask, c0, 0, NP)
-        _store_plane(out_ptr, b, mask, c1, 1, NP)
-        _store_plane(out_ptr, b, mask, c2, 2, NP)
-        _store_plane(out_ptr, b, mask, c3, 3, NP)
-        _store_plane(out_ptr, b, mask, c4, 4, NP)
-        _store_plane(out_ptr, b, mask, c5, 5, NP)
-        _store_plane(out_ptr, b, mask, c6, 6, NP)
-        _store_plane(out_ptr, b, mask, c7, 7, NP)
-        _store_plane(out_ptr, b, mask, c8, 8, NP)
-        _store_plane(out_ptr, b, mask, c9, 9, NP)
-        _store_plane(out_ptr, b, mask, c10, 10, NP)
-        _store_plane(out_ptr, b, mask, c11, 11, NP)
-        _store_plane(out_ptr, b, mask, c12, 12, NP)
-        _store_plane(out_ptr, b, mask, c13, 13, NP)
-        _store_plane(out_ptr, b, mask, c14, 14, NP)
-        _store_plane(out_ptr, b, mask, c15, 15, NP)
+        # The NP words of a block are contiguous (b * NP + p): one [BW, NPP] tile stored at once
+        # covers a contiguous span, coalesced; a store per plane wrote every NP-th word.
+        planes = tl.arange(0, NPP)
+        tile = tl.zeros([BW, NPP], dtype=tl.int32)
+        tile = _put_plane(tile, planes, c0, 0, NP)
+        tile = _put_plane(tile, planes, c1, 1, NP)
+        tile = _put_plane(tile, planes, c2, 2, NP)
+        tile = _put_plane(tile, planes, c3, 3, NP)
+        tile = _put_plane(tile, planes, c4, 4, NP)
+        tile = _put_plane(tile, planes, c5, 5, NP)
+        tile = _put_plane(tile, planes, c6, 6, NP)
+        tile = _put_plane(tile, planes, c7, 7, NP)
+        tile = _put_plane(tile, planes, c8, 8, NP)
+        tile = _put_plane(tile, planes, c9, 9, NP)
+        tile = _put_plane(tile, planes, c10, 10, NP)
+        tile = _put_plane(tile, planes, c11, 11, NP)
+        tile = _put_plane(tile, planes, c12, 12, NP)
+        tile = _put_plane(tile, planes, c13, 13, NP)
+        tile = _put_plane(tile, planes, c14, 14, NP)
+        tile = _put_plane(tile, planes, c15, 15, NP)
+        tl.store(out_ptr + b[:, None] * NP + planes[None, :], tile,
+                 mask=mask[:, None] & (planes[None, :] < NP))
     else:
         # counter <=> h, from the most significant plane down
         gt = zero
@@ -324,6 +335,9 @@ def _tally_kernel(
             tl.store(out_ptr + 2 * b, gt, mask=mask)
             tl.store(out_ptr + 2 * b + 1, ~(gt | eq), mask=mask)
         else:
+            if STEP_ON_DEVICE:  # tie_pattern: 0x55555555 at an even step, 0xAAAAAAAA at an odd
+                parity = (tl.load(step_ptr) & 1).to(tl.int32)
+                tie = (0x55555555 << parity) * (1 - n % 2)
             tl.store(out_ptr + b, gt | (eq & tie), mask=mask)
 
 
@@ -347,16 +361,63 @@ def round_to(xf, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _update(x_ptr, offs, numel, d, lr, wd, MASKED: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even)."""
-    if MASKED:
-        mask = offs < numel
-    xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16)
-    xf = xf - lr * (d + wd * xf)
-    if MASKED:
-        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+def _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
+            P: tl.constexpr, LUT_PLANES: tl.constexpr):
+    """D of every element [ROWS, 32] from the aggregate words of its block (``_apply_kernel``)."""
+    if MODE_AVG:
+        q = tl.zeros([words.shape[0], 32], dtype=tl.int32)
+        for p in tl.static_range(P):
+            w = tl.load(words + p, mask=wmask, other=0)
+            q += ((w[:, None] >> cols[None, :]) & 1) << p
+        if P <= LUT_PLANES:
+            d = tl.load(lut_ptr + q)
+        else:
+            if TERNARY:
+                num = q - n
+            else:
+                num = 2 * q - n
+            d = tl.div_rn(num.to(tl.float32), n_f)
     else:
-        tl.store(x_ptr + offs, round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16))
+        w = tl.load(words, mask=wmask, other=0)
+        bit = (w[:, None] >> cols[None, :]) & 1
+        if TERNARY:
+            minus = tl.load(words + 1, mask=wmask, other=0)
+            d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
+        else:
+            d = (2 * bit - 1).to(tl.float32)
+    return d
+
+
+@triton.jit
+def _apply_chunk(x_ptr, g_ptr, m_ptr, offs, numel, words, wmask, cols, lut_ptr, n, n_f, has_g,
+                 has_m, lr, wd, b2, omb2, go, MODE_AVG: tl.constexpr, TERNARY: tl.constexpr,
+                 P: tl.constexpr, LUT_PLANES: tl.constexpr, MASKED: tl.constexpr,
+                 SOFT_BF16_X: tl.constexpr, SOFT_BF16_G: tl.constexpr):
+    """x <- x - lr * (d + wd * x) in fp32, stored back in x's dtype (round to nearest even), and
+    m <- b2 * m + omb2 * g where ``has_m``; nothing is stored unless ``go``. Every load is issued
+    before any store and before the decode waits for its words (x, m, g and the words in flight
+    together: the stage is bound by the bytes in flight, not by arithmetic)."""
+    xf = load_f32(x_ptr, offs, numel, MASKED, SOFT_BF16_X)
+    m = tl.zeros_like(xf)
+    g = tl.zeros_like(xf)
+    if has_m:
+        m = load_f32(m_ptr, offs, numel, MASKED, False)
+        if has_g:
+            g = load_f32(g_ptr, offs, numel, MASKED, SOFT_BF16_G)
+    d = _decode(words, wmask, cols, lut_ptr, n, n_f, MODE_AVG, TERNARY, P, LUT_PLANES)
+    xf = xf - lr * (d + wd * xf)
+    x_new = round_to(xf, x_ptr.dtype.element_ty, SOFT_BF16_X)
+    if go:
+        if MASKED:
+            tl.store(x_ptr + offs, x_new, mask=offs < numel)
+        else:
+            tl.store(x_ptr + offs, x_new)
+        if has_m:
+            m_new = b2 * m + omb2 * g
+            if MASKED:
+                tl.store(m_ptr + offs, m_new, mask=offs < numel)
+            else:
+                tl.store(m_ptr + offs, m_new)
 
 
 @triton.jit
@@ -368,6 +429,7 @@ def _apply_kernel(
     g_base,  # the gradients' base pointer (the parameters' dtype or fp32)
     m_base,  # the momenta's base pointer (fp32)
     agg_ptr,  # int32 packed aggregate, P planes a block
+    lut_ptr,  # fp32 [2**P]: D of each count q (average with P <= LUT_PLANES; else unused)
     skip_ptr,  # int32 [1]: the step is dropped when non-zero (read only if HAS_SKIP)
     lr,
     wd,
@@ -382,6 +444,7 @@ def _apply_kernel(
     G_ALIGN: tl.constexpr,
     M_ALIGN: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    LUT_PLANES: tl.constexpr,
     BLOCK: tl.constexpr,
     SOFT_BF16_X: tl.constexpr,
     SOFT_BF16_G: tl.constexpr,
@@ -392,67 +455,52 @@ def _apply_kernel(
         vote, binary:  D = 2*bit - 1          vote, ternary: D = plus - minus
         average:       q = sum_p bit_p << p,  D = div_rn(float(q - n), n) (ternary)
                                                   div_rn(float(2q - n), n) (binary)
+                       (up to LUT_PLANES planes: D = lut[q], the same values made once by
+                       the launcher, instead of a division per element)
         x <- x - lr * (D + wd * x)            (fp32, each operation rounded)
         m <- b2 * m + omb2 * g                (fp32; g = 0 for a None gradient; only where
                                                m_present, else neither m nor g is touched)
 
-    Nothing at all when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
+    Nothing is written when HAS_SKIP and skip_ptr[0] != 0 (a step dropped after the exchange).
     """
+    # The flag of a step dropped after the exchange: read with the chunk's loads and tested only
+    # before the stores, so that its latency is not paid before the loads are issued.
     go = True
     if HAS_SKIP:
         go = tl.load(skip_ptr) == 0
-    if go:
-        pid = tl.program_id(0).to(tl.int64)
-        t = tl.load(prog_ptr + pid).to(tl.int64)
-        row = meta_ptr + t * 9
-        x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
-        g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
-        has_g = tl.load(row + 3) != 0
-        m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
-        has_m = tl.load(row + 5) != 0
-        numel = tl.load(row + 6)
-        block0 = tl.load(row + 7)
-        start = (pid - tl.load(row + 8)) * BLOCK
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(prog_ptr + pid).to(tl.int64)
+    row = meta_ptr + t * 9
+    x_ptr = x_base + tl.multiple_of(tl.load(row), X_ALIGN)
+    g_ptr = g_base + tl.multiple_of(tl.load(row + 2), G_ALIGN)
+    has_g = tl.load(row + 3) != 0
+    m_ptr = m_base + tl.multiple_of(tl.load(row + 4), M_ALIGN)
+    has_m = tl.load(row + 5) != 0
+    numel = tl.load(row + 6)
+    block0 = tl.load(row + 7)
+    start = (pid - tl.load(row + 8)) * BLOCK
 
-        ROWS: tl.constexpr = BLOCK // 32
-        rows = tl.arange(0, ROWS)
-        cols = tl.arange(0, 32)
-        offs = start + rows[:, None] * 32 + cols[None, :]  # int64 [ROWS, 32]
-        blk = start // 32 + rows
-        wmask = blk < (numel + 31) // 32
-        words = agg_ptr + (block0 + blk) * P
+    ROWS: tl.constexpr = BLOCK // 32
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, 32)
+    # offsets inside the chunk (int32: the chunk's start is folded into the pointers)
+    offs = rows[:, None] * 32 + cols[None, :]
+    x_ptr += start
+    g_ptr += start
+    m_ptr += start
+    left = numel - start  # elements of the tensor from the chunk's start
+    blk = start // 32 + rows
+    wmask = blk < (numel + 31) // 32
+    words = agg_ptr + (block0 + blk) * P
 
-        if MODE_AVG:
-            q = tl.zeros([ROWS, 32], dtype=tl.int32)
-            for p in tl.static_range(P):
-                w = tl.load(words + p, mask=wmask, other=0)
-                q += ((w[:, None] >> cols[None, :]) & 1) << p
-            if TERNARY:
-                num = q - n
-            else:
-                num = 2 * q - n
-            d = tl.div_rn(num.to(tl.float32), n_f)
-        else:
-            w = tl.load(words, mask=wmask, other=0)
-            bit = (w[:, None] >> cols[None, :]) & 1
-            if TERNARY:
-                minus = tl.load(words + 1, mask=wmask, other=0)
-                d = (bit - ((minus[:, None] >> cols[None, :]) & 1)).to(tl.float32)
-            else:
-                d = (2 * bit - 1).to(tl.float32)
-
-        if start + BLOCK <= numel:
-            _update(x_ptr, offs, numel, d, lr, wd, MASKED=False, SOFT_BF16=SOFT_BF16_X)
-            if has_m:
-                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=False,
-                                 SOFT_BF16=SOFT_BF16_G)
-                tl.store(m_ptr + offs, m_new)
-        else:
-            _update(x_ptr, offs, numel, d, lr, wd, MASKED=True, SOFT_BF16=SOFT_BF16_X)
-            if has_m:
-                m_new = _combine(g_ptr, m_ptr, offs, numel, has_g, b2, omb2, MASKED=True,
-                                 SOFT_BF16=SOFT_BF16_G)
-                tl.store(m_ptr + offs, m_new, mask=offs < numel)
+    if BLOCK <= left:
+        _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                     has_g, has_m, lr, wd, b2, omb2, go, MODE_AVG, TERNARY, P, LUT_PLANES,
+                     MASKED=False, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
+    else:
+        _apply_chunk(x_ptr, g_ptr, m_ptr, offs, left, words, wmask, cols, lut_ptr, n, n_f,
+                     has_g, has_m, lr, wd, b2, omb2, go, MODE_AVG, TERNARY, P, LUT_PLANES,
+                     MASKED=True, SOFT_BF16_X=SOFT_BF16_X, SOFT_BF16_G=SOFT_BF16_G)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -461,6 +509,26 @@ def _apply_kernel(
 
 _TABLES: dict = {}
 _MAX_CACHED_TABLES = 64
+# The average apply reads D from a table of 2**P entries up to this many planes (1 KiB: it stays
+# in L1); above it, one division per element.
+LUT_PLANES = 8
+_LUTS: dict = {}
+
+
+def average_lut(device, n: int, ternary: bool, planes: int) -> torch.Tensor:
+    """fp32 [2**planes]: D(q) = (q - n) / n (ternary) or (2q - n) / n (binary) for every count q,
+    each rounded once, as the reference divides (an element-wise fp32 division on the CPU, not a
+    multiplication by a reciprocal), on ``device``. Cached per (device, n, ternary, planes)."""
+    key = (device, n, ternary, planes)
+    lut = _LUTS.get(key)
+    if lut is None:
+        q = torch.arange(1 << planes, dtype=torch.int64)
+        num = (q - n if ternary else 2 * q - n).to(torch.float32)
+        lut = to_device(num / torch.full_like(num, float(n)), device)
+        if len(_LUTS) >= _MAX_CACHED_TABLES:
+            _LUTS.pop(next(iter(_LUTS)))
+        _LUTS[key] = lut
+    return lut
 
 
 def chunk_block(numels) -> int:
@@ -531,6 +599,7 @@ def in_use(*tables):
     for t in tables:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+    keep_if_captured(*tables)
     return tables
 
 
@@ -638,8 +707,10 @@ def tally(stacked, out, n, mode, ternary, step):
     _check_words("out", out, stacked.device, blocks * p_out)
     if blocks == 0:
         return
-    if ternary:
-        h, tie = n, 0
+    check_step(step, stacked.device)
+    counter = isinstance(step, torch.Tensor)  # the step counter: read by the kernel
+    if ternary or counter:
+        h, tie = (n if ternary else n // 2), 0
     else:
         h, tie = n // 2, (tie_pattern(step) if n % 2 == 0 else 0)
     bw = min(1 << 16, triton.next_power_of_2(blocks)) if INTERPRETED else 512
@@ -652,9 +723,12 @@ def tally(stacked, out, n, mode, ternary, step):
             blocks,
             h,
             tie,
+            step if counter else out,
             MODE_AVG=mode == "average",
             TERNARY=bool(ternary),
+            STEP_ON_DEVICE=counter,
             NP=counter_planes,
+            NPP=triton.next_power_of_2(counter_planes),
             BW=bw,
             num_warps=4,
             **LAUNCH_OPTIONS,
@@ -702,6 +776,10 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
     _check_words("aggregate", aggregate, device, needed)
 
     block = chunk_block(numels)
+    lut = aggregate  # any int32/fp32 pointer will do where the kernel reads no table
+    if mode == "average" and planes <= LUT_PLANES:
+        lut = average_lut(device, n, bool(ternary), planes)
+        keep_if_captured(lut)
     for meta, prog, programs, aligned, (x_i, g_i, m_i) in launch_tables(
         "apply", device, (params, grads, exp_avgs), numels, offsets, block
     ):
@@ -718,6 +796,7 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
                 g_base,
                 m_base,
                 aggregate,
+                lut,
                 skip if skip is not None else aggregate,
                 float(lr),
                 float(weight_decay),
@@ -728,10 +807,14 @@ def apply(params, grads, exp_avgs, aggregate, offsets, lr, weight_decay, beta2, 
                 MODE_AVG=mode == "average",
                 TERNARY=bool(ternary),
                 P=planes,
-                X_ALIGN=_ALIGN // x_base.element_size() if aligned else 1,
-                G_ALIGN=_ALIGN // g_base.element_size() if aligned else 1,
+                # 4 elements a vector for every list, so x, g (even bf16/fp16) and m share one
+                # register layout: with 8 for 2-byte x and g, m's store went through a layout
+                # conversion in shared memory
+                X_ALIGN=4 if aligned else 1,
+                G_ALIGN=4 if aligned else 1,
                 M_ALIGN=4 if aligned else 1,
                 HAS_SKIP=skip is not None,
+                LUT_PLANES=LUT_PLANES,
                 BLOCK=block,
                 SOFT_BF16_X=INTERPRETED and x_dtype == torch.bfloat16,
                 SOFT_BF16_G=INTERPRETED and g_base.dtype == torch.bfloat16,

@@ -79,36 +79,38 @@ raise ``StepMismatchError`` on every rank with nothing applied, as D-Lion's head
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..decentralized.wrapper import gossip_bytes_per_step
+from .. import elastic
+from ..elastic import DEFAULT_HEAL_MOMENTUM
 from ..exchange import agree, sharded
 from ..exchange.checks import check_hyperparameters, check_options, check_params
-from ..exchange.collectives import DistributedStepError, as_timedelta, collective, wait
+from ..exchange.collectives import DistributedStepError, as_timedelta
 from ..exchange.header import StepMismatchError
 from ..exchange.pipeline import (
-    Exchange,
     NonFiniteGradientError,
     Segment,
+    StepAbortedError,
+    StepStats,
     Streams,
     check_group_device,
     resolve_group,
 )
 from ..kernels.layout import block_offsets
+from ..optim.dlion import DistributedLion
 from . import fragments as frag
+from . import outer as outer_steps
 from . import outer_options as options_
+from .outer import ALL_REDUCE, FLAGS  # noqa: F401  (the sync's collectives, by name)
 
 OUTERS = ("dlion", "nesterov", "sparseloco")
-# Nesterov: DiLoCo's values. D-Lion: see the docs (docs/diloco.md, "Choosing outer_lr").
-# SparseLoCo: a plain step on the mean of the sparse contributions (outer_options.py)
-DEFAULT_OUTER_LR = {"dlion": 1e-2, "nesterov": 0.7, "sparseloco": 1.0}
 FORMAT = "dlion_kernels.DiLoCo"
-ALL_REDUCE = "all_reduce(pseudo-gradient)"
-# FSDP2: the non-finite flag of Nesterov's mean and every rank's steps, agreed over the mesh
-FLAGS = "all_reduce(mesh non-finite flags)"
+# the name a DiLoCo's state is registered under on a torchft Manager (elastic.py)
+GATE_KEY = "dlion_kernels.DiLoCo"
 _LABEL = "DiLoCo sync at inner step"
 # What every rank of a DiLoCo must share at construction (the last two: per replica block)
 _START_FACTS = ("sync_every", "outer", "outer_lr", "outer_betas", "outer_weight_decay",
@@ -120,37 +122,18 @@ _APPLIED = ("nothing of this sync was applied: theta_bar, the outer momenta and 
 
 
 @dataclass(frozen=True)
-class SyncStats:
-    """One sync of one fragment on this rank. Bytes are what this rank's collectives sent and
-    received for it (D-Lion: the exchange's own count; Nesterov: a ring all-reduce's
-    2 (n-1)/n * 4 numel)."""
+class SyncStats(StepStats):
+    """One sync of one fragment on this rank: a ``StepStats`` (its bytes are what this rank's
+    collectives sent and received for the sync: D-Lion's exchange's own count, Nesterov's ring
+    all-reduce 2 (n-1)/n * 4 numel; ``mode``, ``votes`` and ``backend`` are D-Lion's, None
+    otherwise; with FSDP2 ``numel`` counts this rank's local elements, ``world_size`` is N and
+    ``intra_node_bytes_sent`` the small agreement over the mesh; with a manager the quorum's
+    fields) and which sync it was."""
 
-    step: int           # inner step of the sync (its pseudo-gradient and exchange start)
-    applied_step: int   # inner step at which it was applied: step + overlap_steps
-    fragment: int
-    outer: str
-    numel: int
-    world_size: int
-    bytes_sent: int
-    bytes_received: int
-    skipped: bool = False
-    mode: str | None = None     # D-Lion only
-    votes: str | None = None
-    backend: str | None = None
-    # FSDP2 (``device_mesh=``): numel counts this rank's local elements and world_size is N, the
-    # replicas voting on them; bytes_sent adds the small agreement over the whole mesh
-    intra_node_bytes_sent: int = 0
-    shards: int = 1
-
-    @property
-    def inter_node_bytes_sent(self) -> int:
-        """What went between the replicas (all of ``bytes_sent`` without FSDP2)."""
-        return self.bytes_sent - self.intra_node_bytes_sent
-
-    @property
-    def allreduce_fp32_bytes(self) -> int:
-        """What a ring all-reduce of the fp32 pseudo-gradients sends per rank (DiLoCo's sync)."""
-        return round(gossip_bytes_per_step(self.numel, 4, self.world_size))
+    step: int = 0           # inner step of the sync (its pseudo-gradient and exchange start)
+    applied_step: int = 0   # inner step at which it was applied: step + overlap_steps
+    fragment: int = 0
+    outer: str = "dlion"
 
 
 class _Fragment:
@@ -197,9 +180,8 @@ class _InFlight:
 
     def __init__(self, fragment: _Fragment, step: int, grad: torch.Tensor):
         self.fragment, self.step, self.grad = fragment, step, grad
-        self.exchange = None  # D-Lion: the Exchange after add()
-        self.work = None      # Nesterov: the all-reduce's Work (None with one rank)
-        self.summed = None    # Nesterov: the all-reduce's buffer
+        self.sync = None  # the outer step's sync in flight (``outer.py``), once started
+        self.n = 1  # the replicas it runs between
 
 
 def _dtensors(model) -> bool:
@@ -224,13 +206,16 @@ class DiLoCo:
     outer: "dlion" (1-bit vote, per-rank outer momentum), "nesterov" (DiLoCo's fp32 all-reduce)
         or "sparseloco" (the SparseLoCo baseline: top-k, 2-bit values, error feedback;
         ``outer_options.py``).
-    outer_options: None (the plain outer step), or for "dlion" a ``DLionOuterOptions`` (error
-        feedback, a per-tensor scale, thresholded ternary votes), for "sparseloco" a
-        ``SparseLoCoOptions``; a dict of their fields works too (``outer_options.py``: the
-        rules, bytes and memory of each).
-    outer_lr: None for the default: 0.7 for Nesterov (DiLoCo's); 1e-2 for D-Lion, whose sign step
-        moves every element by outer_lr per sync: about 0.4 x inner lr x H was best in a sweep
-        (docs/diloco.md, "Choosing outer_lr"), so scale it with your inner lr and H.
+    outer_options: None for the default: for "dlion" error feedback halved at every sync
+        (``DLionOuterOptions(error_feedback=True, ef_decay=0.5)``, the best of the outer steps
+        measured; ``DLionOuterOptions()``, every option off, is the plain 1-bit step), for
+        "sparseloco" ``SparseLoCoOptions()``; a ``DLionOuterOptions`` (error feedback, a
+        per-tensor scale, thresholded ternary votes) or ``SparseLoCoOptions``, or a dict of
+        their fields (``outer_options.py``: the rules, bytes and memory of each).
+    outer_lr: None for the default (``outer_options.default_outer_lr``, from the inner
+        optimizer's lr at construction): 1.1 x inner lr x sqrt(H) for the default D-Lion step
+        (a sign step moves every element by about outer_lr per sync), 0.16 x inner lr x H for
+        the plain one, 0.7 for Nesterov (DiLoCo's), 1 for SparseLoCo.
     outer_betas, outer_weight_decay, mode, votes, backend: D-Lion's (``DistributedLion``'s meaning).
     outer_momentum: Nesterov's mu (DiLoCo's 0.9).
     fragments: P, Streaming DiLoCo's fragments. overlap_steps: tau < H / P, the inner steps an
@@ -244,13 +229,17 @@ class DiLoCo:
     nonfinite: "raise" or "skip" (module docstring). timeout: None (the group's own) or seconds /
         a timedelta bounding each wait for a collective of a sync.
 
-    ``last_stats`` is the ``SyncStats`` of the last sync applied (None before the first);
-    ``bytes_sent`` adds up every sync's bytes on this rank.
-    manager: a ``torchft.Manager`` (``docs/elastic.md``): one quorum per sync, the sync applies
-        only if ``manager.should_commit()``, a dead replica leaves the others training and a
-        restarted one heals at the next sync (``heal_momentum``: "own", "peer" or "zero"; with
-        Nesterov the shared momentum is always copied). ``last_stats`` is then an
-        ``ElasticSyncStats``; one process per replica, ``overlap_steps=0``.
+    manager: a ``torchft.Manager`` (``docs/elastic.md``): one quorum per sync (from its start
+        to its apply), the sync applies only if ``manager.should_commit()``, a dead replica
+        leaves the others training and a restarted one heals at the next sync
+        (``heal_momentum``: "own", "peer" or "zero": D-Lion's outer momenta, error-feedback
+        residuals and SparseLoCo's accumulators; Nesterov's momentum is shared and always
+        copied). A replica is one process, or its own job of L ranks over which the model is
+        FSDP2-sharded (the manager made with rank = its place in the replica, world_size = L).
+
+    ``last_stats`` is the ``SyncStats`` of the last sync applied (None before the first; with a
+    manager its ``participants``, ``committed`` and ``manager_step`` too); ``bytes_sent`` adds
+    up every sync's bytes on this rank.
     """
 
     def __init__(self, model, inner_optimizer, sync_every: int, outer: str = "dlion", *,
@@ -259,7 +248,7 @@ class DiLoCo:
                  mode: str = "vote", votes: str = "binary", fragments: int = 1,
                  overlap_steps: int = 0, merge_alpha: float = 0.5, group=None, backend=None,
                  nonfinite: str = "raise", timeout=None, device_mesh=None, outer_options=None,
-                 manager=None, heal_momentum: str = "own"):
+                 manager=None, heal_momentum: str = DEFAULT_HEAL_MOMENTUM):
         problem, params = None, []
         # With FSDP2 parameters and group=, finding the mesh is a collective: after the verdict
         late = device_mesh is None and group is not None and _dtensors(model)
@@ -291,18 +280,19 @@ class DiLoCo:
                           self.outer_weight_decay) if outer == "dlion" else None
         self._fragments = [_Fragment(f, [params[i] for i in cut], segment)
                            for f, cut in enumerate(self._cuts)]
-        self._options = options_.runtime(self)  # None: the plain outer step
         self._streams = Streams(sharded.own_shard(params[0]).device)
+        self._outer = outer_steps.make(outer, self.outer_options, self)
         self.inner_step = 0
         self.last_stats: SyncStats | None = None
         self.bytes_sent = 0
         self._inflight: _InFlight | None = None
         self._reissue = False  # a loaded in-flight sync whose exchange the next step() issues
-        self._elastic = None  # manager=: torchft's quorum at every sync (elastic.py)
-        if manager is not None:
-            from .. import elastic
-            self._elastic = elastic.ElasticDiLoCo(self, manager, SyncStats, heal_momentum,
-                                                  error=dict(label=_LABEL, applied=_APPLIED))
+        self._gate = None  # manager=: torchft's quorum at every sync (elastic.py)
+        if manager is not None:  # every check passed on every rank: nothing to undo
+            shard = self._sharding.shard if self._shards > 1 else None
+            self._gate = elastic.Gate(self, manager, key=GATE_KEY, heal_momentum=heal_momentum,
+                                      replica_group=shard,
+                                      heal_state=weakref.WeakMethod(self._heal_state))
 
     # ------------------------------------------------------------------------- construction
 
@@ -317,6 +307,11 @@ class DiLoCo:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError("inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
+        if isinstance(inner_optimizer, DistributedLion):
+            raise ValueError(
+                "inner_optimizer is a DistributedLion, which votes with the other ranks at every "
+                "step: DiLoCo's inner steps are local (nothing is sent between syncs); use a "
+                "local optimizer (dk.AccumLion, torch.optim.AdamW, a Lion)")
         if outer not in OUTERS:
             raise ValueError(f"outer must be one of {OUTERS}, got {outer!r}")
         for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
@@ -331,8 +326,11 @@ class DiLoCo:
             raise ValueError(f"overlap_steps must be < sync_every / fragments = "
                              f"{sync_every // fragments} (an exchange must be applied before "
                              f"the next fragment syncs), got {overlap_steps}")
-        if outer_lr is None:
-            outer_lr = DEFAULT_OUTER_LR[outer]
+        self.outer_options = options_.check(outer, outer_options, votes)
+        if outer_lr is None:  # the inner optimizer's lr as it is now (its first param group)
+            outer_lr = options_.default_outer_lr(outer, self.outer_options,
+                                                 float(inner_optimizer.param_groups[0]["lr"]),
+                                                 sync_every)
         beta1, beta2 = check_hyperparameters(outer_lr, outer_betas, outer_weight_decay)
         if not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool) \
                 or not 0.0 <= outer_momentum < 1.0:
@@ -341,16 +339,19 @@ class DiLoCo:
                 or not 0.0 <= merge_alpha <= 1.0:
             raise ValueError(f"merge_alpha must be a number in [0, 1], got {merge_alpha!r}")
         check_options(mode, votes, backend, nonfinite)
+        elastic.check_heal_momentum(heal_momentum, manager)
         if manager is not None:  # torchft's quorum at every sync (elastic.py)
-            from .. import elastic
-            elastic.check_diloco(group=group, device_mesh=device_mesh, overlap_steps=overlap_steps,
-                                 outer=outer, outer_options=outer_options)
-        elif heal_momentum != "own":
-            raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
+            elastic.check_manager(manager)
+            elastic.check_key(manager, GATE_KEY)
+            if group is not None:
+                raise ValueError(
+                    "DiLoCo with manager= syncs over the process group torchft makes for each "
+                    "quorum: pass group=None (a replica of several ranks is its own "
+                    "torch.distributed job; its default group holds its ranks)")
+        self.manager = manager
         self.timeout = as_timedelta(timeout)
         params = self._trainable(model, inner_optimizer)
         self.model, self.inner_optimizer = model, inner_optimizer
-        self.outer_options = outer_options  # checked in _place, which knows the sharding
         self.sync_every, self.outer, self.outer_lr = sync_every, outer, float(outer_lr)
         self.outer_betas, self.outer_weight_decay = (beta1, beta2), float(outer_weight_decay)
         self.outer_momentum, self.merge_alpha = float(outer_momentum), float(merge_alpha)
@@ -365,10 +366,31 @@ class DiLoCo:
         self._sharding = sharded.resolve(params, device_mesh, group)
         device = check_params([sharded.own_shard(p) for p in params])
         self.group = self._sharding.replicate if self._sharding is not None else group
-        self.outer_options = options_.check(self.outer, self.outer_options, self.votes,
-                                            self._sharding is not None)
+        if self.manager is not None:
+            self._check_replica()
+            self.world_size = 1  # the quorum's replicas, at each sync
+            return
         pg, self.world_size = resolve_group(self.group)
         check_group_device(pg, self.world_size, device)
+
+    def _check_replica(self) -> None:
+        """With a manager: a replica is one process, or its own job whose ranks the model is
+        FSDP2-sharded over; ValueError otherwise."""
+        if self._sharding is not None:
+            if self._sharding.replicas != 1:
+                raise ValueError(
+                    f"DiLoCo with manager= and FSDP2: a replica is one shard group and the "
+                    f"replicas are torchft's, but device_mesh holds {self._sharding.replicas} "
+                    "replicas; pass device_mesh=None (or the 1-D mesh the model is sharded "
+                    "over) and start each replica as its own torch.distributed job")
+            position = dist.get_rank(self._sharding.shard) if self._sharding.shards > 1 else 0
+            elastic.check_replica(self.manager, position, self._sharding.shards)
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"DiLoCo with manager=: this job has {dist.get_world_size()} ranks and the "
+                "model is not sharded over them: a replica of several ranks is one voter "
+                "through FSDP2 (fully_shard the model over the replica's ranks); else start "
+                "one process per replica")
 
     @staticmethod
     def _trainable(model, inner) -> list:
@@ -427,17 +449,19 @@ class DiLoCo:
         """Call after every ``inner_optimizer.step()``. At a sync step: the outer step of the
         fragment that is due (see the module docstring); otherwise nothing. Returns the
         ``SyncStats`` of the sync applied in this call, or None."""
-        if getattr(self, "_elastic", None) is not None:  # torchft's quorum (elastic.py)
-            return self._elastic.step()
         t = self.inner_step + 1
         applied = None
         if self._reissue:
             self._reissue = False
+            self._open(self._inflight.step)
             self._issue(self._inflight)
         if self._inflight is not None and t == self._inflight.step + self.overlap_steps:
             applied = self._apply(t)
         f = frag.due(t, self.sync_every, self.fragments)
         if f is not None:
+            if self._open(t):  # healed from a peer: this replica is at the peers' sync now
+                t = self.inner_step + 1
+                f = frag.due(t, self.sync_every, self.fragments)
             fragment = self._fragments[f]
             self._inflight = _InFlight(fragment, t, fragment.pseudo_gradient())
             self._issue(self._inflight)
@@ -446,63 +470,59 @@ class DiLoCo:
         self.inner_step = t
         return applied
 
+    @property
+    def label(self) -> str:
+        """How a sync's errors name it (with the inner step)."""
+        return _LABEL
+
+    @property
+    def applied(self) -> str:
+        """What a sync's errors say was applied: nothing."""
+        return _APPLIED
+
+    def _open(self, step: int) -> bool:
+        """With a manager, the quorum of the sync starting at inner step ``step`` (it lasts until
+        the sync's apply); returns whether it healed this replica. Without, nothing."""
+        gate = self._gate
+        if gate is None:
+            return False
+        gate.begin(step, label=_LABEL, applied=_APPLIED)
+        return gate.healed
+
     def _issue(self, inflight: _InFlight) -> None:
-        """Start the sync's exchange (asynchronous)."""
-        fragment, n = inflight.fragment, self.world_size
+        """Start the sync's collectives (asynchronous)."""
+        gate = self._gate
+        group = gate.group() if gate is not None else self.group
+        inflight.n = resolve_group(group)[1]
         try:
-            if self._options is not None:
-                inflight.exchange = self._options.start(fragment, inflight.grad, inflight.step)
-            elif self.outer == "dlion":
-                ex = Exchange(device=fragment.theta.device, mode=self.mode, votes=self.votes,
-                              group=self.group, backend=self.backend, step=inflight.step,
-                              nonfinite=self.nonfinite, streams=self._streams,
-                              timeout=self.timeout)
-                rows = [ex.row(x, g, m, off, fragment.segment) for x, g, m, off in zip(
-                    fragment.views(fragment.theta), fragment.views(inflight.grad),
-                    fragment.views(fragment.momentum), fragment.offsets)]
-                ex.add(rows, fragment.blocks)
-                inflight.exchange = ex
-            else:
-                # the pseudo-gradient stays apart from the buffer being reduced (a checkpoint
-                # inside the window saves it); the step words ride along (_steps)
-                summed = inflight.grad
-                if n > 1:
-                    summed = torch.cat([summed, self._step_words(inflight.step)])
-                    inflight.work = collective(ALL_REDUCE, inflight.step, dist.all_reduce,
-                                               summed, group=resolve_group(self.group)[0],
-                                               async_op=True, label=_LABEL, applied=_APPLIED)
-                inflight.summed = summed
+            inflight.sync = self._outer.start(inflight.fragment, inflight.grad, inflight.step,
+                                              group)
         except DistributedStepError as e:
+            if gate is not None and gate.absorb(e):
+                return  # a peer died: the sync applies nothing (``_apply``)
             self._inflight = None
             raise self._as_sync_error(e, inflight) from e
 
     def _apply(self, t: int) -> SyncStats:
-        """Finish the in-flight sync and apply it (or raise, with nothing modified)."""
+        """Finish the in-flight sync and apply it (or raise, with nothing modified; with a
+        manager, a failed collective or a sync not committed applies nothing and raises
+        nothing)."""
         inflight, self._inflight = self._inflight, None  # its collectives end here either way
-        fragment, n = inflight.fragment, self.world_size
+        fragment, gate = inflight.fragment, self._gate
+        decision = outer_steps.Decision(
+            inflight.step, sharding=self._sharding if self._shards > 1 else None,
+            replica=gate is not None, commit=None if gate is None else gate.commit,
+            timeout=self.timeout, label=_LABEL, applied=_APPLIED)
+        result = outer_steps.SyncResult(True, 0, 0)
         try:
-            intra = 0
-            if inflight.exchange is not None:
-                agreement = None if self._sharding is None else \
-                    sharded.ShardAgreement(self._sharding, inflight.step, self.timeout)
-                stats = inflight.exchange.finish(agree=agreement)
-                skipped, sent = stats.skipped, stats.bytes_sent
-                intra = 0 if agreement is None else agreement.sent
-            else:
-                if inflight.work is not None:
-                    wait(inflight.work, inflight.step, ALL_REDUCE, self.timeout, label=_LABEL,
-                         applied=_APPLIED)
-                mean = inflight.summed[: fragment.numel]
-                steps = self._steps(inflight.summed[fragment.numel:]) if n > 1 \
-                    else [inflight.step % 2**31]
-                mean = mean.div_(n) if n > 1 else mean
-                skipped, intra = self._nonfinite_anywhere(mean, inflight.step, steps)
-                if skipped and self.nonfinite == "raise":
-                    raise NonFiniteGradientError("a pseudo-gradient holds inf or NaN")
-                if not skipped:
-                    self._nesterov(fragment, mean)
-                sent = round(gossip_bytes_per_step(inflight.summed.numel(), 4, n))
-            sent = received = sent + intra
+            try:
+                if inflight.sync is not None:
+                    result = inflight.sync.finish(decision)
+            except (DistributedStepError, StepAbortedError) as e:
+                if gate is None or not gate.absorb(e):
+                    raise
+            finally:
+                committed = gate.end() if gate is not None else True
         except DistributedStepError as e:
             raise self._as_sync_error(e, inflight) from e
         except NonFiniteGradientError as e:
@@ -511,77 +531,26 @@ class DiLoCo:
                 "pseudo-gradient holds inf or NaN on at least one rank; theta_bar, the outer "
                 "momenta and the parameters are unchanged on every rank (nonfinite='skip' drops "
                 "such syncs and returns every rank to theta_bar)") from e
+        skipped = result.skipped or not committed
+        # theta_i = theta_bar: the new one, or (skipped) the last synced one, so that a rank
+        # never carries a window that was not synced into the next
         if skipped or self.overlap_steps == 0 or self.merge_alpha == 0.0:
             fragment.set_params()
         else:
             fragment.merge_params(self.merge_alpha)
         d_lion = self.outer == "dlion"
+        quorum = {} if gate is None else dict(
+            participants=inflight.n, committed=committed,
+            manager_step=gate.manager.current_step())
         self.last_stats = SyncStats(
             step=inflight.step, applied_step=t, fragment=fragment.index, outer=self.outer,
-            numel=fragment.numel, world_size=n, bytes_sent=sent, bytes_received=received,
-            skipped=skipped, mode=self.mode if d_lion else None,
-            votes=self.votes if d_lion else None,
-            backend=inflight.exchange.backend if d_lion else None, intra_node_bytes_sent=intra,
-            shards=self._shards)
-        self.bytes_sent += sent
+            numel=fragment.numel, world_size=inflight.n, bytes_sent=result.sent,
+            bytes_received=result.received, skipped=skipped,
+            mode=self.mode if d_lion else None, votes=self.votes if d_lion else None,
+            backend=result.backend if d_lion else None, intra_node_bytes_sent=result.intra,
+            shards=self._shards, **quorum)
+        self.bytes_sent += result.sent
         return self.last_stats
-
-    def _step_words(self, step: int) -> torch.Tensor:
-        """Nesterov's step header: 2 n fp32 words added to the all-reduce, this rank's inner step
-        (mod 2**31, as D-Lion's header) in its two slots as two 16-bit halves, zeros elsewhere:
-        the sum holds every rank's step exactly."""
-        pg = resolve_group(self.group)[0]
-        words = torch.zeros(2 * self.world_size, dtype=torch.float32)
-        step %= 2**31
-        words[2 * dist.get_rank(pg):][:2] = torch.tensor([step >> 16, step & 0xFFFF])
-        return words.to(self._fragments[0].theta.device)
-
-    def _steps(self, words: torch.Tensor) -> list[int]:
-        pairs = words.view(-1, 2).to(torch.int64).tolist()
-        return [hi << 16 | lo for hi, lo in pairs]
-
-    def _nonfinite_anywhere(self, mean: torch.Tensor, step: int,
-                            steps: list[int]) -> tuple[bool, int]:
-        """Whether the mean pseudo-gradient holds inf or NaN here or, with FSDP2, on any rank of
-        the mesh (the other shards' means: one decision for the whole model), and the bytes that
-        cost this rank (a ring all-reduce of int32 words). ``steps``: the inner steps of the
-        replicas (the all-reduce's header); with FSDP2 every rank's row of them rides along in
-        the same all-reduce over the whole mesh, so every rank of the job sees every step. That
-        all-reduce is the sync's last collective: it completes on no rank unless every rank has
-        its mean, so the sync applies on every rank or on none. Raises ``StepMismatchError`` on
-        every rank when the steps differ; nothing was applied."""
-        flag = torch.isfinite(mean).all().logical_not().to(torch.int32).view(1)
-        table = [steps]
-        intra = 0
-        if self._shards > 1:
-            mesh = sharded.mesh_group(self._sharding, step, self.timeout)
-            me, M = dist.get_rank(mesh), dist.get_world_size(mesh)
-            words = torch.full((1 + M * len(steps),), -1, dtype=torch.int32)
-            words[0] = int(flag)
-            words[1 + me * len(steps):][: len(steps)] = torch.tensor(steps, dtype=torch.int32)
-            words = words.to(mean.device)
-            sharded.mesh_collective(self._sharding, step, FLAGS, dist.all_reduce, words,
-                                    op=dist.ReduceOp.MAX, timeout=self.timeout, label=_LABEL,
-                                    applied=_APPLIED)
-            flag, table = words[:1].cpu(), words[1:].view(M, -1).tolist()
-            intra = round(gossip_bytes_per_step(words.numel(), 4, M))
-        if len({s for row in table for s in row}) > 1:
-            raise StepMismatchError(
-                f"DiLoCo sync: the ranks are at different inner steps: {table} (per replica"
-                f"{', one row per rank of the mesh' if len(table) > 1 else ''}); nothing of "
-                "this sync was applied on any rank (theta_bar, the outer momenta and the "
-                "parameters are as before this step()). "
-                "Every rank must load the state saved at the same inner step and call step() "
-                "the same number of times")
-        return bool(flag), intra
-
-    def _nesterov(self, fragment: _Fragment, mean: torch.Tensor) -> None:
-        """torch.optim.SGD(momentum=mu, nesterov=True)'s update, tensor by tensor."""
-        d, u = fragment.views(mean), fragment.views(fragment.momentum)
-        torch._foreach_mul_(u, self.outer_momentum)
-        torch._foreach_add_(u, d)
-        update = torch._foreach_add(d, u, alpha=self.outer_momentum)
-        torch._foreach_add_(fragment.views(fragment.theta), update, alpha=-self.outer_lr)
 
     def _as_sync_error(self, e: DistributedStepError, inflight: _InFlight):
         if e.step == inflight.step and str(e).startswith(_LABEL):
@@ -597,16 +566,39 @@ class DiLoCo:
         inflight, self._inflight = self._inflight, None
         if inflight is None or self._reissue:
             return
-        if inflight.exchange is not None:
-            inflight.exchange.abandon()
-        elif inflight.work is not None:
-            wait(inflight.work, inflight.step, ALL_REDUCE, self.timeout, label=_LABEL,
-                 applied=_APPLIED)
+        try:
+            if inflight.sync is not None:
+                inflight.sync.abandon()
+        finally:
+            if self._gate is not None:
+                self._gate.end()
+
+    # ------------------------------------------------------------------------- elastic
+
+    @property
+    def elastic(self):
+        """torchft's quorum around every sync (``elastic.Gate``: its ``key`` on the manager,
+        ``close()``), or None without ``manager=``."""
+        return self._gate
+
+    def _heal_state(self):
+        """What a healing replica copies (``elastic.Gate``): theta_bar and the shared outer state;
+        the parameters (local shards) when it is behind; the private outer state by
+        ``heal_momentum``; the inner step."""
+        params = [sharded.own_shard(p) for f in self._fragments for p in f.params]
+        shared = [f.theta for f in self._fragments] + self._outer.shared()
+        return elastic.HealState(shared=shared, private=self._outer.private(), local=params,
+                                 counters={"inner_step": self.inner_step},
+                                 set_counters=self._set_counters)
+
+    def _set_counters(self, counters: dict) -> None:
+        self.inner_step = int(counters["inner_step"])
 
     # ------------------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
         """This rank's DiLoCo state (module docstring, "Checkpoints"): copies, safe to keep."""
+        options = self._outer.state_dict()  # the outer options' own state (residuals)
         inflight = None
         if self._inflight is not None:
             inflight = {"fragment": self._inflight.fragment.index, "step": self._inflight.step,
@@ -620,7 +612,7 @@ class DiLoCo:
             "theta_bar": [f.theta.clone() for f in self._fragments],
             "momentum": [f.momentum.clone() for f in self._fragments],
             "in_flight": inflight,
-            **({} if self._options is None else {"outer_options": self._options.state_dict()}),
+            **({} if options is None else {"outer_options": options}),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -632,8 +624,7 @@ class DiLoCo:
         loads)."""
         problem, step, theta = None, None, b""
         try:
-            self._check_state(state_dict)
-            options_.check_state(self._options, state_dict)
+            self.check_state(state_dict)
             step = (state_dict["inner_step"], None if state_dict["in_flight"] is None else
                     (state_dict["in_flight"]["fragment"], state_dict["in_flight"]["step"]))
             theta = agree.digest(state_dict["theta_bar"]) if self.world_size > 1 else b""
@@ -656,8 +647,8 @@ class DiLoCo:
                                  state_dict["momentum"]):
             f.theta.copy_(theta)
             f.momentum.copy_(mom)
-        if self._options is not None:
-            self._options.load_state_dict(state_dict["outer_options"])
+        if state_dict.get("outer_options") is not None:
+            self._outer.load_state_dict(state_dict["outer_options"])
         self.inner_step = int(state_dict["inner_step"])
         saved = state_dict["in_flight"]
         if saved is not None:
@@ -667,9 +658,12 @@ class DiLoCo:
             self._inflight = _InFlight(fragment, int(saved["step"]), grad)
             self._reissue = True
 
-    def _check_state(self, sd) -> None:
+    def check_state(self, sd) -> None:
+        """ValueError (or TypeError) unless ``sd`` is a state this DiLoCo loads: saved by a DiLoCo
+        of the same schedule, outer step, options and model. Changes nothing."""
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             raise ValueError("state_dict must come from DiLoCo.state_dict()")
+        self._outer.check_state(sd.get("outer_options"))
         for key in ("sync_every", "outer", "fragments", "overlap_steps"):
             if sd.get(key) != getattr(self, key):
                 raise ValueError(f"state_dict was saved with {key}={sd.get(key)!r}, this DiLoCo "
@@ -730,8 +724,8 @@ class DiLoCo:
     def outer_residuals(self) -> list | None:
         """The error-feedback residual of ``outer_options`` per trainable parameter (fp32 views,
         like ``theta_bar``), or None where the options keep none."""
-        flats = self._options.residuals() if self._options is not None else None
-        if flats is None or all(r is None for r in flats):
+        flats = self._outer.residuals()
+        if all(r is None for r in flats):
             return None
         return [v for f in self._fragments for v in f.views(flats[f.index])]
 
@@ -740,9 +734,9 @@ class DiLoCo:
         """The parameters of each fragment, fragment by fragment (FSDP2: the DTensors)."""
         return [list(f.params) for f in self._fragments]
 
-    # What the modules that run a sync around this object use (elastic.py, outer_options.py;
-    # the builders' state accounting reads theta_bar, outer_momenta and outer_residuals above):
-    # named here so that none of them reaches into private state.
+    # What the outer steps (outer.py) read: named here so that none of them reaches into
+    # private state (the builders' state accounting reads theta_bar, outer_momenta and
+    # outer_residuals above).
 
     @property
     def fragment_states(self) -> list:
@@ -753,15 +747,6 @@ class DiLoCo:
     def streams(self) -> Streams:
         """The streams the outer step's stages run on."""
         return self._streams
-
-    @property
-    def options_runtime(self):
-        """The running state of ``outer_options`` (residuals, scales), or None."""
-        return self._options
-
-    def nesterov_update(self, fragment, mean: torch.Tensor) -> None:
-        """Nesterov's outer update of ``fragment`` with the mean pseudo-gradient ``mean``."""
-        self._nesterov(fragment, mean)
 
 
 __all__ = ["DiLoCo", "SyncStats"]

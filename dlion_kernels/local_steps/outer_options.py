@@ -89,32 +89,20 @@ Memory per rank: theta_bar and a_i (8 bytes per element); at a sync the new accu
 rank's sent values, the sum of the decoded values and one rank's decoded values (4 bytes each
 per element of the fragment).
 
-Neither option set runs on an FSDP2-sharded model (``device_mesh=``): refused at construction.
+On an FSDP2-sharded model (``device_mesh=``, or a replica of several ranks on torchft) every
+rank runs the step on its local shards: "a tensor" above is then this rank's shard of it (the
+threshold's mean|c|, the scale's mean|p|, SparseLoCo's runs and kept values are per shard), and
+the vote, the scales' gather and SparseLoCo's gather run between the replicas of each shard.
+Error feedback, being elementwise, gives the same residuals as on the whole tensor.
+
+How each runs (the exchange, the gathers, the applies): ``outer.py``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
-import torch
-
-from ..exchange.collectives import collective, wait
-from ..exchange.header import decide, make_header
-from ..exchange.pipeline import (
-    Exchange,
-    NonFiniteGradientError,
-    Row,
-    Segment,
-    StepStats,
-    all_gather,
-    resolve_group,
-)
-from ..kernels.layout import HEADER_WORDS
-
-SCALES = "all_gather(outer scales)"
-SPARSE = "all_gather(sparse pseudo-gradients)"
-_HEADER_BYTES = 4 * HEADER_WORDS
 _MAX_CHUNK = 32768  # offsets in a run travel as int16
 
 
@@ -186,13 +174,38 @@ class SparseLoCoOptions:
         return full * self.topk + (-(-self.topk * rest // self.chunk) if rest else 0)
 
 
-def check(outer: str, options, votes: str, sharded: bool):
-    """The options as a dataclass (None: none), after checking they fit ``outer``; ValueError or
-    TypeError naming ``outer_options`` otherwise."""
-    if options is None and outer != "sparseloco":
+# What ``outer="dlion"`` runs when no options are given: error feedback whose residual is halved
+# at every sync. On simulated workers (the chars task, 4 workers, H = 8, 32 and 64, a quarter of
+# the outer study's budget and all of it) it came within 1.3% of the best outer lr's loss with
+# the default outer lr (``default_outer_lr``), where the plain step ended 7-13% above it at the
+# full budget: bench/results/sim-sweep-20261128/. The plain step is
+# ``outer_options=DLionOuterOptions()`` (every option off).
+DEFAULT_DLION_OPTIONS = DLionOuterOptions(error_feedback=True, ef_decay=0.5)
+
+
+def default_outer_lr(outer: str, options, inner_lr: float, sync_every: int) -> float:
+    """The outer lr when none is given. The sign step moves every element by about outer_lr per
+    sync whatever the pseudo-gradient's size, so D-Lion's scales with how far the inner steps
+    move: 1.1 x inner lr x sqrt(H) with error feedback (its best lr grows about as sqrt(H)),
+    0.16 x inner lr x H for the plain step (the best rule of the same sweep; it misses by up to
+    4%, its best lr moving with the budget). DiLoCo's 0.7 for Nesterov, 1 for SparseLoCo."""
+    if outer == "nesterov":
+        return 0.7
+    if outer == "sparseloco":
+        return 1.0
+    if options is None:  # the plain step
+        return 0.16 * inner_lr * sync_every
+    return 1.1 * inner_lr * math.sqrt(sync_every)
+
+
+def check(outer: str, options, votes: str):
+    """The options as a dataclass (None: the plain step), after checking they fit ``outer``
+    (None: the default, ``DEFAULT_DLION_OPTIONS`` for "dlion"); ValueError or TypeError naming
+    ``outer_options`` otherwise."""
+    if options is None and outer == "nesterov":
         return None
     if options is None:
-        options = SparseLoCoOptions()
+        options = DEFAULT_DLION_OPTIONS if outer == "dlion" else SparseLoCoOptions()
     kind = {"dlion": DLionOuterOptions, "sparseloco": SparseLoCoOptions}.get(outer)
     if kind is None:
         raise ValueError(f"outer_options applies to outer='dlion' or 'sparseloco', not "
@@ -211,357 +224,7 @@ def check(outer: str, options, votes: str, sharded: bool):
                              "abstains by voting 0), got votes=" + repr(votes))
         if not options.active:
             return None  # all off: the plain step
-    if sharded:
-        raise ValueError("outer_options and outer='sparseloco' are not supported on an "
-                         "FSDP2-sharded model (device_mesh=)")
     return options
 
 
-def runtime(diloco):
-    """The object that runs ``diloco``'s outer step with its options, or None (the plain step)."""
-    options = diloco.outer_options
-    if options is None:
-        return None
-    if isinstance(options, SparseLoCoOptions):
-        return SparseLoCo(options, diloco)
-    return DLionOptions(options, diloco)
-
-
-def check_state(runner, state_dict: dict) -> None:
-    """ValueError unless ``state_dict``'s option state fits ``runner`` (None: no options)."""
-    saved = state_dict.get("outer_options")
-    if runner is None:
-        if saved is not None:
-            raise ValueError(f"state_dict was saved with outer_options {saved.get('options')!r}; "
-                             "this DiLoCo has none")
-        return
-    runner.check_state(saved)
-
-
-class _Runner:
-    """What both option sets share: the DiLoCo's settings and the state of each fragment."""
-
-    def __init__(self, options, diloco):
-        self.options, self.diloco = options, diloco
-        self.fragments = diloco.fragment_states
-
-    def state_dict(self) -> dict:
-        return {"options": asdict(self.options), "kind": type(self.options).__name__,
-                "residual": [None if r is None else r.clone() for r in self.residuals()]}
-
-    def residuals(self) -> list:
-        """One flat fp32 error-feedback residual per fragment, None where there is none."""
-        return [None] * len(self.fragments)
-
-    def check_state(self, saved) -> None:
-        mine = {"options": asdict(self.options), "kind": type(self.options).__name__}
-        if not isinstance(saved, dict) or {k: saved.get(k) for k in mine} != mine:
-            got = None if not isinstance(saved, dict) else saved.get("options")
-            raise ValueError(f"state_dict was saved with outer_options {got!r}, this DiLoCo has "
-                             f"{mine['options']!r} ({mine['kind']})")
-        residual = saved.get("residual")
-        want = self.residuals()
-        if not isinstance(residual, (list, tuple)) or len(residual) != len(want) or not all(
-                (r is None) == (w is None) and (r is None or (
-                    isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
-                    and r.numel() == w.numel())) for r, w in zip(residual, want)):
-            raise ValueError("state_dict's outer_options residual must hold one flat float32 "
-                             "tensor per fragment (of its elements) where error feedback is on, "
-                             "None elsewhere")
-
-    def load_state_dict(self, saved) -> None:
-        for mine, r in zip(self.residuals(), saved["residual"]):
-            if mine is not None:
-                mine.copy_(r)
-
-
-# ----------------------------------------------------------------------------- D-Lion options
-
-
-class DLionOptions(_Runner):
-    """The D-Lion outer step with options (module docstring)."""
-
-    def __init__(self, options: DLionOuterOptions, diloco):
-        super().__init__(options, diloco)
-        self.residual = [torch.zeros_like(f.theta) if options.error_feedback else None
-                         for f in self.fragments]
-        # the exchange only votes: c = 0 * m + 1 * p, x = 0 - 1 * (D + 0 x), m kept (b2 = 1)
-        self.segment = Segment([], [], [], 1.0, 0.0, 1.0, 0.0)
-
-    def residuals(self) -> list:
-        return self.residual
-
-    def start(self, fragment, grad: torch.Tensor, step: int):
-        dl = self.diloco
-        b1 = dl.outer_betas[0]
-        e = self.residual[fragment.index]
-        p = grad + e if e is not None else grad
-        c = fragment.momentum * b1
-        c += p * (1.0 - b1)
-        if self.options.threshold > 0:
-            for view in fragment.views(c):
-                bound = view.abs().mean() * self.options.threshold
-                view.masked_fill_(view.abs() < bound, 0.0)
-        return _DLionSync(self, fragment, p, c, step)
-
-
-class _DLionSync:
-    """One sync with options: the exchange and the scales' gather in flight, then the apply."""
-
-    def __init__(self, runner: DLionOptions, fragment, p, vote_input, step):
-        dl = runner.diloco
-        self.runner, self.fragment, self.p, self.step = runner, fragment, p, step
-        self.zero = torch.zeros_like(p)  # becomes -D
-        scratch = torch.zeros_like(p)
-        ex = Exchange(device=p.device, mode=dl.mode, votes=dl.votes, group=dl.group,
-                      backend=dl.backend, step=step, nonfinite=dl.nonfinite,
-                      streams=dl.streams, timeout=dl.timeout)
-        rows = [Row(x, g, m, off, runner.segment) for x, g, m, off in zip(
-            fragment.views(self.zero), fragment.views(vote_input), fragment.views(scratch),
-            fragment.offsets)]
-        ex.add(rows, fragment.blocks)
-        self.exchange, self.backend = ex, ex.backend
-        self.work, self.scales, self.scale_bytes = None, None, 0
-        if runner.options.scale:
-            mine = torch.stack([v.abs().mean() if v.numel() else v.new_zeros(())
-                                for v in fragment.views(p)])
-            n = ex.n
-            self.scales = torch.empty(n * mine.numel(), dtype=torch.float32, device=p.device)
-            if n == 1:
-                self.scales.copy_(mine)
-            else:
-                self.work = collective(SCALES, step, all_gather, self.scales, mine, ex.group,
-                                       async_op=True)
-                self.scale_bytes = (n - 1) * mine.numel() * 4
-            self.mine = mine  # alive until the gather is done
-
-    def _wait(self) -> None:
-        if self.work is not None:
-            work, self.work = self.work, None
-            wait(work, self.step, SCALES, self.runner.diloco.timeout)
-
-    def abandon(self) -> None:
-        self.exchange.abandon()
-        self._wait()
-
-    def finish(self, agree=None):
-        try:
-            stats = self.exchange.finish(agree=agree)
-        finally:
-            self._wait()  # the gather is paired on every rank whatever the exchange did
-        if not stats.skipped:
-            self._apply()
-        sent = stats.bytes_sent + self.scale_bytes
-        return replace(stats, bytes_sent=sent, bytes_received=sent)
-
-    def _apply(self) -> None:
-        dl, fragment, runner = self.runner.diloco, self.fragment, self.runner
-        n = self.exchange.n
-        u = torch.neg(self.zero)  # D
-        if self.scales is not None:
-            rows = self.scales.view(n, -1)
-            s = rows[0].clone()
-            for r in range(1, n):  # rank order: the same sum on every rank
-                s += rows[r]
-            s /= n
-            for k, view in enumerate(fragment.views(u)):
-                view.mul_(s[k])
-        lr, wd = dl.outer_lr, dl.outer_weight_decay
-        step = u + fragment.theta * wd if wd else u
-        fragment.theta.sub_(step * lr)
-        e = runner.residual[fragment.index]
-        if e is not None:
-            torch.sub(self.p, u * lr, out=e)
-            if runner.options.ef_decay < 1.0:  # each rank's own drift, bounded
-                e.mul_(runner.options.ef_decay)
-        b2 = dl.outer_betas[1]
-        fragment.momentum.mul_(b2)
-        fragment.momentum.add_(self.p * (1.0 - b2))
-
-
-# ----------------------------------------------------------------------------- SparseLoCo
-
-
-class SparseLoCo(_Runner):
-    """SparseLoCo's outer step (module docstring); the accumulator is the fragment's momentum."""
-
-    def __init__(self, options: SparseLoCoOptions, diloco):
-        super().__init__(options, diloco)
-        self.layouts = [self._layout(f) for f in self.fragments]
-
-    def _layout(self, fragment):
-        """Per tensor: (elements kept, byte offsets of its magnitudes, indices and codes)."""
-        kept = [self.options.kept(k) for k in fragment.numels]
-        total = sum(kept)
-        T = len(kept)
-        size = _HEADER_BYTES + 8 * T + 2 * total + -(-total // 4)
-        return kept, total, size
-
-    def payload_bytes(self, fragment) -> int:
-        """Bytes of one rank's payload for ``fragment``."""
-        return self.layouts[fragment.index][2]
-
-    def start(self, fragment, grad: torch.Tensor, step: int):
-        return _SparseSync(self, fragment, grad, step)
-
-    def compress(self, acc_view: torch.Tensor):
-        """(kept offsets in the tensor (int64, run by run), their 2-bit codes (uint8), the two
-        magnitudes (fp32 [2])) of one tensor's accumulator (flat)."""
-        C, k = self.options.chunk, self.options.topk
-        numel = acc_view.numel()
-        full, rest = divmod(numel, C)
-        idx = []
-        if full:
-            runs = acc_view[: full * C].view(full, C)
-            top = torch.topk(runs.abs(), k, dim=1).indices
-            base = torch.arange(full, device=acc_view.device).unsqueeze(1) * C
-            idx.append((top + base).reshape(-1))
-        if rest:
-            tail = acc_view[full * C:]
-            kr = -(-k * rest // C)
-            idx.append(torch.topk(tail.abs(), kr).indices + full * C)
-        index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64,
-                                                        device=acc_view.device)
-        values = acc_view[index]
-        mag = values.abs()
-        s = mag.mean() if mag.numel() else mag.new_zeros(())
-        high = mag >= s
-        levels = torch.stack([_mean_or_zero(mag[~high]), _mean_or_zero(mag[high])])
-        codes = (values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
-        return index, codes, levels
-
-
-def _mean_or_zero(t: torch.Tensor) -> torch.Tensor:
-    return t.mean() if t.numel() else t.new_zeros(())
-
-
-def _decode_values(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """fp32 values of 2-bit codes (bit 0: negative, bit 1: the upper magnitude)."""
-    mag = torch.where((codes & 2) != 0, levels[1], levels[0])
-    return torch.where((codes & 1) != 0, -mag, mag)
-
-
-def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """2-bit codes, 4 per byte (element j in bits 2 (j mod 4))."""
-    pad = (-codes.numel()) % 4
-    c = torch.cat([codes, codes.new_zeros(pad)]).view(-1, 4)
-    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-
-
-def _unpack_codes(packed: torch.Tensor, count: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:count]
-
-
-class _SparseSync:
-    """One SparseLoCo sync: the payload's gather in flight, then the apply."""
-
-    backend = None
-
-    def __init__(self, runner: SparseLoCo, fragment, grad, step):
-        dl = runner.diloco
-        self.runner, self.fragment, self.step = runner, fragment, step
-        size = runner.layouts[fragment.index][2]
-        self.acc = fragment.momentum * runner.options.ef_decay
-        self.acc += grad
-        self.sent_values = torch.zeros_like(self.acc)
-        flag = torch.isfinite(grad).all().logical_not().to(torch.int32).view(1)
-        magnitudes, indices, codes = [], [], []
-        for view, start in zip(fragment.views(self.acc), _starts(fragment.numels)):
-            flat = view.reshape(-1)
-            index, code, levels = runner.compress(flat)
-            run = index % runner.options.chunk
-            indices.append(run.to(torch.int16))
-            codes.append(code)
-            magnitudes.append(levels)
-            self.sent_values[start + index] = _decode_values(code, levels)
-        # [header | T magnitude pairs (fp32) | K run offsets (int16) | K 2-bit codes]
-        payload = torch.cat([make_header(flag, step).view(torch.uint8),
-                             torch.cat(magnitudes).view(torch.uint8),
-                             torch.cat(indices).view(torch.uint8),
-                             _pack_codes(torch.cat(codes))])
-        self.payload = payload  # alive until the gather is done
-        self.group, self.n = dl.group, dl.world_size
-        self.gathered = torch.empty(self.n * size, dtype=torch.uint8, device=self.acc.device)
-        self.work, self.sent = None, 0
-        if self.n == 1:
-            self.gathered.copy_(payload)
-        else:
-            group = _group(dl.group)
-            self.work = collective(SPARSE, step, all_gather, self.gathered, payload, group,
-                                   async_op=True)
-            self.sent = (self.n - 1) * size
-
-    def _wait(self) -> None:
-        if self.work is not None:
-            work, self.work = self.work, None
-            wait(work, self.step, SPARSE, self.runner.diloco.timeout)
-
-    def abandon(self) -> None:
-        self._wait()
-
-    def finish(self, agree=None):
-        self._wait()
-        dl, fragment = self.runner.diloco, self.fragment
-        kept, total, size = self.runner.layouts[fragment.index]
-        rows = self.gathered.view(self.n, size)
-        headers = rows[:, :_HEADER_BYTES].clone().view(torch.int32).view(self.n, HEADER_WORDS)
-        if agree is not None:
-            headers = agree(headers.unsqueeze(0)).reshape(-1, HEADER_WORDS)
-        skipped = decide(headers)
-        if skipped and dl.nonfinite == "raise":
-            raise NonFiniteGradientError("a pseudo-gradient holds inf or NaN on at least one rank")
-        if not skipped:
-            mean = self._decode(rows, kept, total)
-            lr, wd = dl.outer_lr, dl.outer_weight_decay
-            step = mean + fragment.theta * wd if wd else mean
-            fragment.theta.sub_(step * lr)
-            torch.sub(self.acc, self.sent_values, out=fragment.momentum)
-        return StepStats(self.sent, self.sent, fragment.numel, self.n, "sparse", "2-bit",
-                         "torch", skipped=skipped)
-
-    def _decode(self, rows, kept, total) -> torch.Tensor:
-        """The mean of the ranks' sent values: each decoded dense, summed in rank order, / n."""
-        fragment, C = self.fragment, self.runner.options.chunk
-        T = len(kept)
-        total_sum, device = torch.zeros_like(self.acc), self.acc.device
-        run_bases = []
-        for numel, k in zip(fragment.numels, kept):
-            full, rest = divmod(numel, C)
-            per = [self.runner.options.topk] * full + ([k - full * self.runner.options.topk]
-                                                        if rest else [])
-            run_bases.append(torch.repeat_interleave(
-                torch.arange(len(per), dtype=torch.int64, device=device) * C,
-                torch.tensor(per, dtype=torch.int64, device=device)))
-        starts = _starts(fragment.numels)
-        for r in range(self.n):
-            row = rows[r]
-            at = _HEADER_BYTES
-            levels = row[at: at + 8 * T].clone().view(torch.float32).view(T, 2)
-            at += 8 * T
-            runs = row[at: at + 2 * total].clone().view(torch.int16).to(torch.int64)
-            at += 2 * total
-            codes = _unpack_codes(row[at:], total)
-            dense = torch.zeros_like(self.acc)
-            pos = 0
-            for t, (k, base, start) in enumerate(zip(kept, run_bases, starts)):
-                index = start + base + runs[pos: pos + k]
-                dense[index] = _decode_values(codes[pos: pos + k], levels[t])
-                pos += k
-            total_sum += dense
-        return total_sum / self.n
-
-
-def _starts(numels) -> list:
-    out, at = [], 0
-    for k in numels:
-        out.append(at)
-        at += k
-    return out
-
-
-def _group(group):
-    return resolve_group(group)[0]
-
-
-__all__ = ["DLionOuterOptions", "SparseLoCoOptions"]
+__all__ = ["DEFAULT_DLION_OPTIONS", "DLionOuterOptions", "SparseLoCoOptions", "default_outer_lr"]

@@ -58,6 +58,11 @@ def register_ddp_comm_hook(ddp_model, opt) -> None:
                         f"{type(ddp_model).__name__}")
     if not isinstance(opt, DistributedLion):
         raise TypeError(f"opt must be a dlion_kernels.DistributedLion, got {type(opt).__name__}")
+    if opt.elastic is not None:
+        raise ValueError("a DistributedLion with manager= cannot run in DDP's comm hook: its "
+                         "vote runs between torchft's replicas, over the group of each quorum, "
+                         "while DDP's buckets belong to DDP's process group; use it without DDP "
+                         "(a replica of several ranks: FSDP2 or hierarchy=L)")
     if opt.sharded:
         raise ValueError("a DistributedLion over FSDP2 parameters (device_mesh) cannot run in "
                          "DDP's comm hook: FSDP2 reduces the gradients itself; call opt.step() "

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from .. import elastic
+from ..accounting import BUCKET_MB
+from ..elastic import DEFAULT_HEAL_MOMENTUM
 from ..exchange import agree, sharded
 from ..exchange import hierarchy as hier
 from ..exchange.buckets import check_bucket_mb
@@ -17,11 +22,14 @@ from ..exchange.header import StepMismatchError
 from ..exchange.pipeline import StepStats
 from .paths import FlatPath, HierarchyPath, ShardedPath, trainable
 
+# the name a DistributedLion's state is registered under on a torchft Manager (elastic.py)
+GATE_KEY = "dlion_kernels.DistributedLion"
+
 # torch.optim's implementation flags and the values accepted
 _FLAGS = {
     "foreach": (None, True, False),  # accepted: every backend is multi-tensor fused anyway
     "fused": (None, True, False),
-    "capturable": (None, False),  # the step reads the ranks' header on the host
+    "capturable": (None, True, False),  # one rank, nonfinite="skip": the step is capturable
     "differentiable": (None, False),  # sign votes have no useful derivative
 }
 
@@ -31,8 +39,6 @@ def _check_flags(flags: dict) -> None:
         allowed = _FLAGS[name]
         if value not in allowed or (value is not None and not isinstance(value, bool)):
             why = {
-                "capturable": "the step reads every rank's header on the host (a collective "
-                "decision), so it cannot be captured in a CUDA graph",
                 "differentiable": "the update is a sign vote, which has no useful derivative",
             }.get(name, "")
             raise ValueError(
@@ -120,13 +126,15 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
 
     Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) keep every option and ``last_stats``
     and step like the original; an explicit process group cannot be pickled (assign
-    ``opt.group`` again on the copy). Copies are not elastic. ``foreach`` and ``fused`` change
-    nothing; ``capturable=True`` and ``differentiable=True`` raise ``ValueError``.
+    ``opt.group`` again on the copy). Copies are not elastic. ``foreach``, ``fused`` and
+    ``capturable`` change nothing (a step on one rank with ``nonfinite="skip"`` can always be
+    captured in a CUDA graph: ``exchange/pipeline.py``); ``differentiable=True`` raises
+    ``ValueError``.
     """
 
     _step_supports_amp_scaling = True  # scaler.step calls step() on every rank (see optim/amp.py)
     _defer_on_cpu = False  # tests: settle the verdict later on CPU too (always so on CUDA)
-    _elastic = None  # manager=: torchft's quorum around every step (a copy is not elastic)
+    _gate = None  # manager=: torchft's quorum around every step (a copy is not elastic)
 
     def __init__(
         self,
@@ -141,7 +149,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         backend: str | None = None,
         nonfinite: str = "raise",
         overlap: bool = False,
-        bucket_mb: float = 25.0,
+        bucket_mb: float = BUCKET_MB,
         foreach: bool | None = None,
         fused: bool | None = None,
         capturable: bool | None = None,
@@ -150,7 +158,7 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
         timeout=None,
         device_mesh=None,
         manager=None,
-        heal_momentum: str = "own",
+        heal_momentum: str = DEFAULT_HEAL_MOMENTUM,
     ):
         if not isinstance(params, torch.Tensor):  # torch refuses a bare tensor itself
             # read twice, by torch.optim and by the start check: a param group's generator too
@@ -166,9 +174,9 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                             hierarchy=hierarchy, late=late,
                             flags=dict(foreach=foreach, fused=fused, capturable=capturable,
                                        differentiable=differentiable))
-            if manager is None and heal_momentum != "own":
-                raise ValueError(f"heal_momentum={heal_momentum!r} applies only with manager=")
-        except (TypeError, ValueError) as e:
+            self._check_manager(manager, heal_momentum, group=group, overlap=overlap,
+                                auto=auto, late=late)
+        except (TypeError, ValueError, ImportError) as e:
             problem = e
         self._agree_at_start(problem, params, group, device_mesh, hierarchy, timeout)
         if late:
@@ -181,11 +189,65 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                                  facts=False)
         if auto:
             self._choose_hierarchy()
+        if manager is not None:  # every check passed on every rank: nothing to undo
+            self._gate = elastic.Gate(self, manager, key=GATE_KEY, heal_momentum=heal_momentum,
+                                      replica_group=self._replica_group(),
+                                      heal_state=weakref.WeakMethod(self._heal_state))
         if overlap:
             self._path.build_engine()
-        if manager is not None:
-            from .. import elastic
-            self._elastic = elastic.ElasticLion(self, manager, heal_momentum)
+
+    def _check_manager(self, manager, heal_momentum, *, group, overlap, auto, late) -> None:
+        """What ``manager=`` combines with (docs/composition.md), checked before anything is
+        built: ValueError/TypeError (ImportError without torchft) on this rank."""
+        elastic.check_heal_momentum(heal_momentum, manager)
+        if manager is None:
+            return
+        elastic.check_manager(manager)
+        elastic.check_key(manager, GATE_KEY)
+        if group is not None or late:
+            raise ValueError(
+                "manager= votes over the process group torchft makes for each quorum: pass "
+                "group=None (a replica of several ranks is its own torch.distributed job; its "
+                "default group holds its ranks)")
+        if auto:
+            raise ValueError('hierarchy="auto" does not combine with manager=: the replicas are '
+                             "torchft's; pass hierarchy=L, the ranks of one replica")
+        L, sharding = self.ranks_per_node, self._path.sharding
+        if L > 1 and overlap:
+            raise ValueError("manager= with hierarchy does not combine with overlap=True yet: "
+                             "pass overlap=False (the node's exchange runs at step())")
+        if sharding is not None:
+            if sharding.replicas != 1:
+                raise ValueError(
+                    f"manager= with FSDP2 parameters: a replica is one shard group and the "
+                    f"replicas are torchft's, but device_mesh holds {sharding.replicas} replicas;"
+                    " pass device_mesh=None (or the 1-D mesh the parameters are sharded over) "
+                    "and start each replica as its own torch.distributed job")
+            position = dist.get_rank(sharding.shard) if sharding.shards > 1 else 0
+            elastic.check_replica(manager, position, sharding.shards)
+            return
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if L > 1:
+            if world != L:
+                raise ValueError(
+                    f"manager= with hierarchy={L}: a replica is one node of L ranks, its own "
+                    f"torch.distributed job, but this job has {world} ranks; start each replica "
+                    "with L ranks (the replicas are torchft's)")
+            elastic.check_replica(manager, dist.get_rank(), L)
+        elif world > 1:
+            raise ValueError(
+                f"manager=: this job has {world} ranks, and a replica of several ranks needs "
+                "a way to act as one voter: FSDP2 parameters (fully_shard over the replica's "
+                "ranks) or hierarchy=L (its ranks average their gradients); else start one "
+                "process per replica")
+
+    def _replica_group(self):
+        """The process group of this replica's own ranks (None: one process per replica)."""
+        if self._path.sharding is not None:
+            return self._path.sharding.shard if self._path.sharding.shards > 1 else None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
 
     def _configure(self, params, lr, betas, weight_decay, *, mode, votes, group, backend,
                    nonfinite, overlap, bucket_mb, timeout, device_mesh, hierarchy, late,
@@ -261,9 +323,30 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """With ``manager=``, also opens this step's quorum: in the background while forward and
         backward run, or here and now for a replica that may heal (``elastic.py``)."""
-        if self._elastic is not None:
-            self._elastic.start_quorum(ahead=True)
+        if self._gate is not None:
+            self._gate.open(ahead=True)
         super().zero_grad(set_to_none)
+
+    @property
+    def elastic(self):
+        """torchft's quorum around every step (``elastic.Gate``: its ``key`` on the manager,
+        ``close()``), or None without ``manager=``."""
+        return self._gate
+
+    # What a healing replica copies from a live one (elastic.Gate): the parameters (this rank's
+    # local shards), the step count, and the momenta by the gate's heal_momentum.
+
+    def _heal_state(self):
+        self._runtime()
+        params = trainable(self.param_groups)
+        step = max((self.state[p].get("step", 0) for p in params), default=0)
+        return elastic.HealState(shared=[sharded.own_shard(p) for p in params],
+                         private=self._path.momenta(), counters={"step": step},
+                         set_counters=self._set_counters)
+
+    def _set_counters(self, counters: dict) -> None:
+        for p in trainable(self.param_groups):
+            self.state[p]["step"] = int(counters["step"])
 
     def _choose_hierarchy(self) -> None:
         """hierarchy="auto": the runtime model picks L (ranks per node) or flat (1) for this
@@ -320,6 +403,21 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def last_stats(self, value) -> None:
         self._last_stats = value
 
+    @property
+    def decision_pending(self) -> bool:
+        """Whether the last step's skip decision is still on the device (a CUDA step with
+        ``nonfinite="skip"`` or a GradScaler): it is read at the next ``step()``,
+        ``state_dict()`` or ``last_stats``."""
+        path = self.__dict__.get("_path")
+        return path is not None and path.pending is not None
+
+    @property
+    def buckets_started(self) -> int:
+        """The buckets of the step in flight whose exchange has started (``overlap=True``:
+        during backward); 0 between steps."""
+        path = self.__dict__.get("_path")
+        return 0 if path is None else path.buckets_started()
+
     def _settle(self) -> None:
         """Read a deferred step's decision (``Path.settle``), if a step left one."""
         path = self.__dict__.get("_path")  # none yet: a copy before its first use
@@ -363,13 +461,6 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scaler=None):
         """One step on every rank. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step``
         (never pass it yourself)."""
-        if self._elastic is not None:  # torchft's quorum (elastic.py)
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._elastic.step()
-            return loss
         attached_group(self.group, self)
         self._runtime()
         if self._path.engine is not None and self._path.engine.replaced:
@@ -377,7 +468,25 @@ class DistributedLion(Copyable, torch.optim.Optimizer):
                 "this DistributedLion no longer steps: a DistributedLion(overlap=True) built "
                 "later on the same parameters took over their backward hooks; step that one "
                 "(nothing was modified)")
-        return self._path.step(closure, grad_scaler)
+        gate = self._gate
+        if gate is None:
+            return self._path.step(closure, grad_scaler)
+        # the same step through torchft's quorum (elastic.py): a failed collective commits
+        # nothing and is not raised; the step applies only if should_commit says so
+        params = trainable(self.param_groups)
+        step = max((self.state[p].get("step", 0) for p in params), default=0)
+        self._last_stats, loss = None, None
+        with gate.turn(step):
+            loss = self._path.step(closure, grad_scaler)
+        sharding = self._path.sharding
+        stats = self.__dict__.get("_last_stats") or StepStats(
+            0, 0, sum(sharded.own_shard(p).numel() for p in params), gate.participants,
+            self.mode, self.votes, "none", skipped=True,
+            shards=sharding.shards if sharding is not None else 1)
+        self._last_stats = dataclasses.replace(
+            stats, skipped=stats.skipped or not gate.committed, participants=gate.participants,
+            committed=gate.committed, manager_step=gate.manager.current_step())
+        return loss
 
     def no_sync(self):
         """Inside it, ``backward()`` only accumulates gradients; nothing is exchanged. For

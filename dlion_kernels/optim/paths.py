@@ -20,6 +20,7 @@ import dataclasses
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from ..exchange import agree, sharded
 from ..exchange import hierarchy as hier
@@ -27,7 +28,17 @@ from ..exchange.buckets import BucketEngine, WeakHook, remove_when_collected
 from ..exchange.checks import check_hyperparameters, check_tensors
 from ..exchange.collectives import DistributedStepError
 from ..exchange.copying import attached_group
-from ..exchange.pipeline import Exchange, Segment, StepStats, Streams, resolve_group
+from ..exchange.header import settings_word
+from ..exchange.pipeline import (
+    ABORTED,
+    Exchange,
+    Segment,
+    StepCounter,
+    StepStats,
+    Streams,
+    capturing,
+    resolve_group,
+)
 from ..kernels.layout import block_offsets
 from . import amp
 
@@ -65,13 +76,27 @@ class Path:
     def opt(self):
         return self._opt()
 
+    @property
+    def gate(self):
+        """torchft's quorum around the step (``elastic.Gate``), or None."""
+        return self.opt.elastic
+
     def trainable(self) -> list:
         return trainable(self.opt.param_groups)
 
     def group(self):
-        """The process group of the exchange (the engine agrees its bucket order there)."""
+        """The process group of the exchange: the optimizer's, or the quorum's (elastic)."""
+        gate = self.gate
+        if gate is not None:
+            return gate.group()
         opt = self.opt
         return attached_group(opt.group, opt)
+
+    def order_group(self):
+        """The process group whose rank 0 fixes the buckets' order: the exchange's, or with a
+        gate the replica's own (the order is the model's, the same in every replica)."""
+        gate = self.gate
+        return gate.replica_group if gate is not None else self.group()
 
     # ------------------------------------------------------------------------- the verdict
 
@@ -180,6 +205,10 @@ class Path:
         """Whether a bucket of this step has started."""
         raise NotImplementedError
 
+    def buckets_started(self) -> int:
+        """How many buckets of this step have started."""
+        raise NotImplementedError
+
     def forget(self) -> None:
         """Forget the step in flight; the engine's iteration is left as it is."""
         self.flushed = False
@@ -211,15 +240,22 @@ class Path:
         if self.engine is not None:
             self.engine.remove()
         opt = self.opt
-        self.engine = BucketEngine(self.trainable(), bucket_mb=opt.bucket_mb, group=self.group(),
-                                   on_ready=self.bucket_ready, on_misuse=self.drain)
+        self.engine = BucketEngine(self.trainable(), bucket_mb=opt.bucket_mb,
+                                   group=self.order_group(), on_ready=self.bucket_ready,
+                                   on_misuse=self.drain)
 
     def bucket_ready(self, bucket) -> None:
         if self.opt is None:  # a dropped optimizer: its engine's hooks go at the next collection
             return
+        gate = self.gate
+        if gate is not None and gate.failure is not None:
+            return  # a collective of this step failed: step() drops it (elastic.py)
         try:
             self.start_bucket(bucket)
-        except DistributedStepError:
+        except DistributedStepError as e:
+            if gate is not None:  # reported, not raised: the step commits nothing
+                gate.fail(e)
+                return
             self.drop_step()  # a peer failed: the exchange retired the groups it made
             raise
         except (TypeError, ValueError) as e:
@@ -319,12 +355,42 @@ class FlatPath(Path):
         self.exchange: Exchange | None = None  # this step's exchange, once a bucket started
         self.exchanged: set[int] = set()  # ids of the params exchanged this step
         self.found_inf = None  # fp16 GradScaler: this rank's overflow flag for the header
+        self.stepping = False  # inside step() (else a bucket starts during backward)
+        self.counter: StepCounter | None = None  # the step count on the device (CUDA graphs)
+
+    def settle(self) -> None:
+        """Also inside CUDA graph capture, where nothing is read: a step left to settle then is
+        dropped (the device's step counter has its count). Once a step was captured, the step
+        counts of the state come from the device's counter (graphs may have advanced it)."""
+        device = self.counter.device if self.counter is not None else None
+        if device is not None and capturing(device):
+            self.pending = None
+            return
+        super().settle()
+        if self.counter is not None and self.counter.captured:
+            count = self.counter.read()
+            for p in self.trainable():
+                if self.opt.state[p]:
+                    self.opt.state[p]["step"] = count
+
+    def after_load(self) -> None:
+        if self.counter is not None:  # replays of a captured step go on from the loaded step
+            params = self.trainable()
+            self.counter.reset(max((self.opt.state[p].get("step", 0) for p in params),
+                                   default=0))
 
     def in_flight(self) -> bool:
         return self.exchange is not None
 
+    def buckets_started(self) -> int:
+        return 0 if self.exchange is None else len(self.exchange.works)
+
     def step(self, closure, grad_scaler):
         opt = self.opt
+        gate = self.gate
+        if gate is not None and gate.failure is not None:  # a bucket's collective failed
+            self.give_up_failed()
+            raise gate.failure  # reported: the gate drops the step (elastic.py)
         if self.exchange is None:
             self.settle()
         loss = None
@@ -332,6 +398,7 @@ class FlatPath(Path):
                       torch.device("cpu"))
         if self.engine is not None or self.ddp_hooked:
             self.refuse_scaler(grad_scaler)
+        self.stepping = True
         try:
             with self.one_decision():
                 loss = self.closure(closure)
@@ -351,7 +418,13 @@ class FlatPath(Path):
             ex, self.exchange = self.exchange, None
             agreement = self.take_agreement()
             defer = self.defer(device)
-            stats = self.finished(ex.finish(defer=defer, agree=agreement), agreement)
+            stats = self.finished(ex.finish(defer=defer, agree=agreement,
+                                            commit=None if gate is None else gate.commit),
+                                  agreement)
+        except DistributedStepError:
+            if gate is not None:
+                self.give_up_failed()
+            raise
         finally:
             self.forget()
             if opt.overlap and self.engine is None and not self.ddp_hooked:
@@ -367,14 +440,22 @@ class FlatPath(Path):
 
     def defer(self, device) -> bool:
         """Whether nothing can raise from this step's decision, so it stays on the device (no
-        host sync) until ``settle``: CUDA with ``nonfinite="skip"`` or a GradScaler."""
-        return (device.type == "cuda" or self.defer_on_cpu) and (
+        host sync) until ``settle``: CUDA with ``nonfinite="skip"`` or a GradScaler (not with a
+        gate: torchft's commit reads the host anyway)."""
+        return (device.type == "cuda" or self.defer_on_cpu) and self.gate is None and (
             self.opt.nonfinite == "skip" or self.found_inf is not None)
+
+    def give_up_failed(self) -> None:
+        """A collective of this step failed on this rank (a peer died; the gate reported it):
+        the step is dropped here. On a replica of several ranks its other ranks still wait for
+        this one in the replica's own collectives: ``ShardedPath`` issues them."""
+        self.drop_step()
 
     def forget(self) -> None:
         super().forget()
         self.exchange, self.found_inf = None, None
         self.exchanged = set()
+        self.stepping = False
 
     # The FSDP2 path's differences (ShardedPath): nothing on one process group.
 
@@ -421,22 +502,42 @@ class FlatPath(Path):
         ex.finish(agree=self.take_agreement(), abort=True, defer=self.defer(device))
 
     def start_step(self) -> Exchange:
-        """The exchange of this step, created when its first bucket starts."""
+        """The exchange of this step, created when its first bucket starts (with a gate, once
+        this step's quorum is in: ``elastic.Gate.join``)."""
         if self.exchange is None:
             opt = self.opt
+            gate = self.gate
+            if gate is not None:
+                gate.join(in_backward=not self.stepping)
             step, device = self.begin()
             timeout = getattr(opt, "timeout", None)
             group = self.group()
             overlapped = self.engine is not None or self.ddp_hooked  # buckets in backward
+            if self.counter is None or self.counter.device != device:
+                self.counter = StepCounter(device)
+            step = self.counter.start(step)
             self.exchange = Exchange(device=device, mode=opt.mode, votes=opt.votes,
                                      group=group, backend=opt.backend, step=step,
                                      nonfinite=opt.nonfinite, found_inf=self.found_inf,
                                      streams=self.streams, timeout=timeout,
-                                     segments=self.segments, late=overlapped)
+                                     segments=self.segments, late=overlapped,
+                                     counter=self.counter.value)
             self.exchange.explainer = agree.explain_step  # one error on every rank
+            if gate is not None:  # one error on every rank of this replica; none between them
+                self.exchange.explain_groups = [gate.replica_group]
+                if gate.replica_group is None:
+                    self.exchange.explainer = None
+                # a heal came after this rank's gradients: its vote must not count
+                self.exchange.aborted = gate.behind
             self.exchanged = set()
             self.started(self.exchange, step, timeout)
         return self.exchange
+
+    def momenta(self) -> list:
+        """This rank's momentum tensors, one per trainable parameter (its local piece; created
+        zero where missing): what a healing replica's ``heal_momentum`` acts on."""
+        params = self.trainable()
+        return list(self.local(params, params, [self.exp_avg(p) for p in params])[2])
 
     def exp_avg(self, p):
         """The momentum of ``p``, created (zero, step 0) if it has no state yet."""
@@ -490,7 +591,7 @@ class ShardedPath(FlatPath):
     (N, *p.shape), replica i's momentum in row i, made at construction (so
     ``torch.distributed.checkpoint`` never has to run a step to create the state). One
     skip/raise decision for all n ranks of the mesh (``sharded.ShardAgreement``); ``last_stats``
-    is a ``ShardedStepStats`` (intra- and inter-node bytes). A 1-D mesh is N = 1; without
+    is a ``StepStats`` with intra- and inter-node bytes and ``shards``. A 1-D mesh is N = 1; without
     ``device_mesh`` the replicate group is the optimizer's ``group`` (None: N = 1, the
     parameters sharded over every rank).
 
@@ -517,18 +618,40 @@ class ShardedPath(FlatPath):
         super().__init__(opt, defer_on_cpu=defer_on_cpu)
         self.sharding = sharding  # the mesh, replicate and shard groups
         self.agreement = None  # this step's sharded.ShardAgreement
+        self.handed = None  # ... once handed to the exchange's finish
         self.reduced_again = False  # a gradient exchanged this step was reduced again
         self.guards: list = []  # with overlap: the hooks of reduced()
 
     def group(self):
-        return self.sharding.replicate
+        gate = self.gate
+        return gate.group() if gate is not None else self.sharding.replicate
 
     def started(self, ex: Exchange, step: int, timeout) -> None:
-        self.agreement = sharded.ShardAgreement(self.sharding, step, timeout)
-        ex.explain_groups = [self.sharding.replicate, self.sharding.shard]  # every mesh rank
+        # with a gate the replicas are other jobs: the decision is taken inside this replica,
+        # from every header its ranks received (ShardAgreement's replica mode)
+        replica = self.gate is not None
+        self.agreement = sharded.ShardAgreement(self.sharding, step, timeout, replica=replica)
+        if not replica:
+            ex.explain_groups = [self.sharding.replicate, self.sharding.shard]  # every mesh rank
+
+    def give_up_failed(self) -> None:
+        """This rank's exchange failed (the gate reported it): its replica's other ranks still
+        wait for it in the agreement over their own group, so it takes part, flagged as given
+        up (every rank of the replica then applies nothing)."""
+        agreement = self.agreement or self.handed
+        segments = self.segments
+        super().give_up_failed()
+        if agreement is None:
+            step = max((self.opt.state[p].get("step", 0) for p in self.trainable()), default=0)
+            agreement = sharded.ShardAgreement(self.sharding, step,
+                                               getattr(self.opt, "timeout", None), replica=True)
+        if not agreement.issued:
+            word = torch.full((1,), settings_word(ABORTED, segments), dtype=torch.int32)
+            agreement(None, word)
 
     def take_agreement(self):
         agreement, self.agreement = self.agreement, None
+        self.handed = agreement  # until the step is over (give_up_failed)
         return agreement
 
     def finished(self, stats: StepStats, agreement) -> StepStats:
@@ -536,7 +659,7 @@ class ShardedPath(FlatPath):
 
     def forget(self) -> None:
         super().forget()
-        self.agreement, self.reduced_again = None, False
+        self.agreement, self.handed, self.reduced_again = None, None, False
 
     def local(self, params, grads, exp_avgs):
         return ([sharded.own_shard(p) for p in params], [sharded.own_shard(g) for g in grads],
@@ -614,9 +737,27 @@ class HierarchyPath(Path):
     def in_flight(self) -> bool:
         return self.overlap_step is not None
 
+    def buckets_started(self) -> int:
+        return 0 if self.overlap_step is None else len(self.overlap_step.works)
+
     def forget(self) -> None:
         super().forget()
         self.overlap_step = None
+
+    def momenta(self) -> list:
+        """This rank's momentum shard, one view per trainable parameter (laid out now if no step
+        made it yet: on a replica of torchft's quorum the layout is that of one node)."""
+        opt = self.opt
+        params = self.trainable()
+        states = [opt.state[p] for p in params]
+        for state in states:
+            state.setdefault("step", 0)
+        device = params[0].device if params else torch.device("cpu")
+        topo = hier.Topology(opt.ranks_per_node, opt.ranks_per_node, 1, 0,
+                             dist.get_rank() % opt.ranks_per_node, None, None, layout_nodes=1)
+        self.momentum.states = states
+        self.momentum.shard(hier.ShardLayout.build((p.numel() for p in params), topo), device)
+        return [state["exp_avg"] for state in states]
 
     def step(self, closure, grad_scaler):
         opt = self.opt
@@ -665,11 +806,17 @@ class HierarchyPath(Path):
             for seg in self.segments:
                 seg.grads = [None] * len(seg.params)
         self.momentum.states = states  # new dicts after load_state_dict: the shard is rebuilt
+        gate = self.gate
+        topo = None
+        if gate is not None:  # a replica of L ranks on torchft's quorum
+            gate.join()
+            group = gate.group()
+            topo = hier.quorum_topology(group, group.size(), group.rank())
         stats = hier.run_hierarchical_step(
             self.segments, self.momentum, ranks_per_node=opt.ranks_per_node, mode=opt.mode,
             votes=opt.votes, group=opt.group, backend=opt.backend, step=step,
             nonfinite=opt.nonfinite, timeout=getattr(opt, "timeout", None),
-            found_inf=found_inf, problem=problem)
+            found_inf=found_inf, problem=problem, topo=topo, gate=gate)
         if not stats.skipped:
             for state in states:
                 state["step"] = step + 1

@@ -19,11 +19,13 @@ import argparse
 import json
 import sys
 
+from ..accounting import BUCKET_MB
 from ..topologies import TOPOLOGIES
 from .model import (
     ALGORITHMS,
     JITTER_DISTS,
     MODES,
+    DEFAULT_INTRA_GBPS,
     OPT_BYTES_PER_PARAM,
     best,
     parse_size,
@@ -108,13 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dlion_kernels.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=_size("--params"), required=True,
-                   help="parameter count, suffixes K, M, G as powers of ten (124M)")
+                   help="parameter count, suffixes K, M, G (or B), T as powers of ten "
+                   "(124M, 1.3B)")
     p.add_argument("--ranks", type=int, help="n, total ranks (with --measure: the world size)")
     p.add_argument("--ranks-per-node", type=int, help="L, ranks per node (default 1; with "
                    "--measure: measured)")
     p.add_argument("--inter-gbps", type=float, help="each node's link to the others, Gbit/s")
     p.add_argument("--intra-gbps", type=float,
-                   help="each rank's link inside its node, Gbit/s (default: --inter-gbps)")
+                   help="each rank's link inside its node, Gbit/s (default with "
+                   f"--ranks-per-node > 1: {DEFAULT_INTRA_GBPS:g}, NVLink-class, 300 GB/s per "
+                   "direction as on A100; H100's NVLink is 3600, PCIe 4.0 about 200; --measure "
+                   "times it)")
     p.add_argument("--latency-us", type=float, help="inter-node latency per message (30)")
     p.add_argument("--intra-latency-us", type=float,
                    help="intra-node latency per message (default min(5, --latency-us))")
@@ -130,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default) or normal with sigma = jitter")
     p.add_argument("--cpu-gbs", type=float, help="host processing rate per rank, GB/s, for "
                    "the bytes a collective sends or sums (default: free, as with NCCL/RDMA)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, MB (25)")
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                   help=f"bucket size, MB ({BUCKET_MB:g})")
     p.add_argument("--tensors", type=int, default=1, help="tensor count, for padding (1)")
     p.add_argument("--grad-dtype", default="fp32", help="gradient dtype (fp32)")
     p.add_argument("--param-dtype", default="fp32", help="parameter dtype (fp32)")
@@ -188,6 +195,8 @@ def main(argv=None) -> int:
     if missing:
         parser.error(f"the following arguments are required (or use --measure under torchrun): "
                      f"{', '.join(missing)}")
+    if "intra_gbps" not in inputs and inputs["ranks_per_node"] > 1:  # stated, as opt_ms
+        inputs["intra_gbps"] = DEFAULT_INTRA_GBPS
     if "opt_ms" not in inputs and args.mem_gbs > 0:  # stated, so the output shows it
         inputs["opt_ms"] = args.params * OPT_BYTES_PER_PARAM / (args.mem_gbs * 1e9) * 1e3
     options = dict(mem_gbs=args.mem_gbs, cpu_gbs=args.cpu_gbs, bucket_mb=args.bucket_mb,

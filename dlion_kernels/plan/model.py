@@ -1,12 +1,14 @@
 """The runtime model: predicted time of one training step for every strategy the library runs.
 
 Pure Python (no torch): it needs numbers, not tensors. Units: times in ms, link speeds in
-Gbit/s (10^9 bit/s), sizes and bytes in powers of ten (``124M`` = 124 * 10^6).
+Gbit/s (10^9 bit/s), sizes and bytes in powers of ten (``124M`` = 124 * 10^6; ``7B`` = ``7G`` =
+7 * 10^9, as model sizes are written).
 
 Cluster. n ranks in nodes of L consecutive ranks (N = n / L nodes). Two link classes, each an
 alpha-beta link (``t = alpha + bytes / beta``):
 
 - intra-node: every rank has ``intra_gbps`` into the node's fabric (NVLink, PCIe, loopback);
+  ``DEFAULT_INTRA_GBPS`` (NVLink-class) when a node holds several ranks and none is given;
 - inter-node: every node has ``inter_gbps`` to the switch (full duplex), SHARED by the streams
   of its L ranks that leave the node at the same time (8 NICs of 400 Gbit/s: 3200).
 
@@ -102,6 +104,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ..accounting import (
+    BUCKET_MB,
     LOCAL_STEP_BYTES,
     STEP_BYTES,
     X_ONLY_APPLY_BYTES,
@@ -134,7 +137,12 @@ APPLY_FRACTION = 1.0 - LOCAL_FRACTION
 X_ONLY_FRACTION = X_ONLY_APPLY_BYTES / STEP_BYTES
 OPT_BYTES_PER_PARAM = STEP_BYTES  # default opt_ms: one fused D-Lion step (28.5) at mem_gbs
 
-_SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12}  # B: billions
+# A rank's link inside a multi-GPU node when none is given: NVLink-class, 300 GB/s per direction
+# (A100's NVLink; H100's is 450 GB/s = 3600 Gbit/s, PCIe 4.0 x16 about 200 Gbit/s). Defaulting to
+# the inter-node rate instead would rank FSDP2 and hierarchy behind an fp32 all-reduce on any
+# node of 8 GPUs whose user left the option out.
+DEFAULT_INTRA_GBPS = 2400.0
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$")
 
 
@@ -142,7 +150,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\
 
 
 def parse_size(value, name: str = "size") -> int:
-    """``124M`` -> 124_000_000, ``1.3G`` -> 1_300_000_000, ``4096`` -> 4096 (powers of ten)."""
+    """``124M`` -> 124_000_000, ``1.3G`` and ``1.3B`` -> 1_300_000_000, ``4096`` -> 4096 (powers
+    of ten)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a string like '124M', got {value!r}")
     if isinstance(value, (int, float)):
@@ -151,11 +160,11 @@ def parse_size(value, name: str = "size") -> int:
         m = _SIZE_RE.match(value)
         if not m:
             raise ValueError(f"{name}: cannot read {value!r}; use a number with an optional "
-                             f"suffix K, M, G or T (powers of ten), e.g. '124M'")
+                             f"suffix K, M, G (or B), T (powers of ten), e.g. '124M', '7B'")
         unit = m.group(2).upper()
         if unit not in _SUFFIXES:
             raise ValueError(f"{name}: unknown unit {m.group(2)!r} in {value!r}; allowed "
-                             f"suffixes are K, M, G, T (powers of ten)")
+                             f"suffixes are K, M, G (or B: billions), T (powers of ten)")
         number = float(m.group(1)) * _SUFFIXES[unit]
     else:
         raise TypeError(f"{name} must be a number or a string like '124M', got "
@@ -745,7 +754,7 @@ def _dtype_bytes(value, name):
 
 def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, latency_us=30.0,
             intra_latency_us=None, fwd_ms, bwd_ms, opt_ms=None, mem_gbs=1000.0, jitter_ms=0.0,
-            jitter_dist="uniform", bucket_mb=25.0, tensors=1, grad_dtype="fp32",
+            jitter_dist="uniform", bucket_mb=BUCKET_MB, tensors=1, grad_dtype="fp32",
             param_dtype="fp32", gossip_dtype="fp32", algorithm="auto", modes=("vote",),
             topologies=None, strategies=None, calibration=None, cpu_gbs=None,
             hier_gather="aggregate", sync_every=8, fragments=1, overlap_steps=0) -> list[Row]:
@@ -753,7 +762,8 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
 
     ``params``: parameter count (int or '124M'); ``ranks``: n; ``ranks_per_node``: L;
     ``inter_gbps``: each node's link to the others; ``intra_gbps``: each rank's link inside the
-    node (default: inter_gbps, as for one process per host); ``latency_us`` /
+    node (default: ``DEFAULT_INTRA_GBPS``, NVLink-class, when ``ranks_per_node`` > 1; with one rank
+    per node nothing crosses it); ``latency_us`` /
     ``intra_latency_us``: per message (intra default 5 us, at most latency_us); ``fwd_ms``,
     ``bwd_ms``: compute per step and rank; ``opt_ms``: one optimizer pass over all parameters
     (default: ``OPT_BYTES_PER_PARAM``, the 28.5 bytes per parameter of one fused D-Lion step,
@@ -774,8 +784,9 @@ def predict(params, ranks, ranks_per_node=1, *, inter_gbps, intra_gbps=None, lat
     if n % L:
         raise ValueError(f"ranks ({n}) must be a multiple of ranks_per_node ({L})")
     inter_gbps = _number(inter_gbps, "inter_gbps", positive=True)
-    intra_gbps = inter_gbps if intra_gbps is None else _number(intra_gbps, "intra_gbps",
-                                                               positive=True)
+    if intra_gbps is None:
+        intra_gbps = DEFAULT_INTRA_GBPS if L > 1 else inter_gbps
+    intra_gbps = _number(intra_gbps, "intra_gbps", positive=True)
     latency_us = _number(latency_us, "latency_us")
     if intra_latency_us is None:
         intra_latency_us = min(5.0, latency_us)

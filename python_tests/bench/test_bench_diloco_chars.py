@@ -9,7 +9,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_diloco_chars as bdc  # noqa: E402
 
-from dlion_kernels import build as b  # noqa: E402
+from dlion_kernels import recipes as b  # noqa: E402
 from dlion_kernels import strategies  # noqa: E402
 
 

@@ -116,10 +116,16 @@ def test_wait_lets_a_step_error_through_unchanged():
     assert info.value is inner
 
 
-def test_collective_without_timeout_runs_synchronously():
-    calls = []
-    assert collective("c", 5, lambda *a, **k: calls.append((a, k)), 1, 2, group="g") is None
-    assert calls == [((1, 2), {"group": "g"})]  # no async_op: the group's own timeout applies
+def test_collective_without_timeout_waits_under_the_groups_own_and_keeps_its_work():
+    from dlion_kernels.exchange import collectives
+
+    work, calls = _Work(), []
+    assert collective("c", 5, lambda *a, **k: calls.append((a, k)) or work, 1, 2,
+                      group="g") is None
+    assert calls == [((1, 2), {"group": "g", "async_op": True})]
+    assert work.waits == [()]  # no limit: the group's own timeout applies
+    # kept past the wait, so that gloo's thread is never the one to free its tensors
+    assert collectives._recent[-1] is work
 
 
 def test_collective_with_timeout_waits_on_the_work():
@@ -167,7 +173,7 @@ def _probe_worker(rank, n, group, mode):
     """Group timeouts first (every rank), then one collective that the victim never joins."""
     import torch.distributed as dist
 
-    from dlion_kernels.build.groups import fsdp_mesh
+    from dlion_kernels.recipes.groups import fsdp_mesh
     from dlion_kernels.exchange import collectives
 
     mesh = fsdp_mesh(n, "cpu")  # the builders' FSDP2 mesh (one replica of n shards)

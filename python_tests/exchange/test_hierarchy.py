@@ -129,6 +129,16 @@ class _Counter:
             setattr(dist, name, fn)
 
 
+def _momentum_storage(opt) -> int:
+    """fp32 elements of the storage behind every momentum of ``opt`` (the rank's shard buffer,
+    padding included), counted once per storage."""
+    storages = {}
+    for state in opt.state.values():
+        m = state["exp_avg"]
+        storages[m.untyped_storage().data_ptr()] = m.untyped_storage().nbytes()
+    return sum(storages.values()) // 4
+
+
 def _make(L, mode, votes, params=None, **kw):
     params = [[p.detach().clone().requires_grad_() for p in ps]
               for ps in (params or _init_params())]
@@ -183,7 +193,7 @@ def _worker(rank, n, L, variants):
             opt2.step()
         out[(mode, votes)] = dict(
             params=[p.detach().clone() for ps in params for p in ps], stats=stats, counted=counted,
-            shard=shard, buffer=opt._path.momentum.buf.numel(),
+            shard=shard, buffer=_momentum_storage(opt),
             resumed=[p.detach().clone() for ps in params2 for p in ps])
 
     # The functional API on full-size exp_avgs: only the rank's shard of them is used; same

@@ -65,8 +65,8 @@ def _train(pairs, steps, rank, first=0, micro=1):
                 for m in range(1, micro):
                     _backward(params, step, rank, m)
             _backward(params, step, rank)
-            if opt.overlap and opt._path.engine.formed:  # not the first backward: buckets started
-                assert len(opt._path.overlap_step.works) >= 2
+            if opt.overlap and step > first:  # not the first backward: buckets started
+                assert opt.buckets_started >= 2
             opt.step()
         stats.append([opt.last_stats for _, opt in pairs])
     return stats

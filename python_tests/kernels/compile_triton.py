@@ -35,7 +35,6 @@ from dlion_kernels.kernels import accum_triton as ak  # noqa: E402
 from dlion_kernels.kernels import triton as tk  # noqa: E402
 
 T = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-ALIGN_ELEMS = {"fp32": 4, "bf16": 8, "fp16": 8}
 
 
 def _ptxas(arch: int) -> str:
@@ -74,14 +73,14 @@ def variants(quick: bool):
             for aligned in (True, False):
                 sig = {"meta_ptr": "*i64", "prog_ptr": "*i32", "x_base": f"*{T[x]}",
                        "g_base": f"*{T[g]}", "m_base": "*fp32", "agg_ptr": "*i32",
-                       "skip_ptr": "*i32", "lr": "fp32", "wd": "fp32", "b2": "fp32",
-                       "omb2": "fp32", "n": "i32", "n_f": "fp32"}
+                       "lut_ptr": "*fp32", "skip_ptr": "*i32", "lr": "fp32", "wd": "fp32",
+                       "b2": "fp32", "omb2": "fp32", "n": "i32", "n_f": "fp32"}
                 const = {"MODE_AVG": mode == "average", "TERNARY": ternary, "P": planes,
-                         "X_ALIGN": ALIGN_ELEMS[x] if aligned else 1,
-                         "G_ALIGN": ALIGN_ELEMS[g] if aligned else 1,
-                         "M_ALIGN": 4 if aligned else 1, "HAS_SKIP": True, "BLOCK": 4096,
+                         "X_ALIGN": 4 if aligned else 1, "G_ALIGN": 4 if aligned else 1,
+                         "M_ALIGN": 4 if aligned else 1, "HAS_SKIP": True,
+                         "LUT_PLANES": tk.LUT_PLANES, "BLOCK": 4096,
                          "SOFT_BF16_X": False, "SOFT_BF16_G": False}
-                ptrs = ["meta_ptr", "prog_ptr", "agg_ptr", "skip_ptr"] + (
+                ptrs = ["meta_ptr", "prog_ptr", "agg_ptr", "lut_ptr", "skip_ptr"] + (
                     ["x_base", "g_base", "m_base"] if aligned else [])
                 out.append((tk._apply_kernel, f"apply x={x} g={g} {mode} ternary={ternary} "
                             f"P={planes} aligned={aligned}", sig, const, ptrs, 8))
@@ -89,8 +88,10 @@ def variants(quick: bool):
         for ternary in (False, True):
             for np_ in (2, 5, 16) if not quick else (16,):
                 sig = {"stacked_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "row_stride": "i64",
-                       "blocks": "i64", "h": "i32", "tie": "i32"}
-                const = {"MODE_AVG": avg, "TERNARY": ternary, "NP": np_, "BW": 512}
+                       "blocks": "i64", "h": "i32", "tie": "i32", "step_ptr": "*i64"}
+                const = {"MODE_AVG": avg, "TERNARY": ternary, "STEP_ON_DEVICE": not avg,
+                         "NP": np_,
+                         "NPP": triton.next_power_of_2(np_), "BW": 512}
                 out.append((tk._tally_kernel, f"tally avg={avg} ternary={ternary} NP={np_}", sig,
                             const, ["stacked_ptr", "out_ptr"], 4))
     for kernel, scalars, lists in (
@@ -106,7 +107,8 @@ def variants(quick: bool):
                     for name in lists:
                         sig[f"{name}_base"] = f"*{T[x]}" if name in ("x", "g", "y") else "*fp32"
                     sig.update({name: "fp32" for name in scalars})
-                    const = {"K1": k1, "FLUSH": flush, "BLOCK": 1024, "SOFT_BF16": False}
+                    const = {"K1": k1, "FLUSH": flush, "ALIGN": 4 if aligned else 1,
+                             "BLOCK": 1024, "SOFT_BF16": False}
                     ptrs = ["meta_ptr", "prog_ptr"] + (
                         [f"{name}_base" for name in lists] if aligned else [])
                     out.append((kernel, f"accum_{kind} x={x} K1={k1} flush={flush} "

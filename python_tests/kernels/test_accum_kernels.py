@@ -1,6 +1,8 @@
 """AccumAdamW / AccumLion kernels (kernels/accum.py): every backend against the fp32 reference,
 with and without ``sources`` (x read from another buffer: the decentralized fused mixing)."""
 
+import sys
+
 import pytest
 import torch
 from conftest import DTYPES, backend_device, fast_backends
@@ -71,6 +73,21 @@ def test_backend_matches_reference(backend, dtype, K, kind):
     expected = _run(kind, "torch", dtype, K, 9, torch.device("cpu"))
     actual = _run(kind, backend, dtype, K, 9, device)
     _assert_same(actual, expected)
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["adamw", "lion"])
+def test_whole_chunks_match_reference(backend, dtype, kind, monkeypatch):
+    """Tensors of whole chunks (2048 elements: the interpreter's chunk for these sizes, so the
+    unmasked vector path runs there too) beside a tail, aligned and (sources: views at an odd
+    offset) unaligned, K = 4 over a flush: bit for bit the reference."""
+    monkeypatch.setattr(sys.modules[__name__], "SIZES", [2048, 31, 2048])
+    device = backend_device(backend)
+    _assert_same(_run(kind, backend, dtype, 4, 4, device),
+                 _run(kind, "torch", dtype, 4, 4, torch.device("cpu")))
+    _assert_same(_run(kind, backend, dtype, 4, 4, device, mixing="sources"),
+                 _run(kind, "torch", dtype, 4, 4, torch.device("cpu"), mixing="copy"))
 
 
 @pytest.mark.parametrize("backend", [*fast_backends(), "torch"])

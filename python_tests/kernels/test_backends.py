@@ -90,9 +90,16 @@ def test_tally(backend, votes, mode, n):
     for step in (0, 1, 7):
         expected = torch.empty(blocks * planes_out, dtype=torch.int32)
         reference.tally(stacked, expected, n, mode, votes == "ternary", step)
-        out = torch.full((blocks * planes_out,), 12345, dtype=torch.int32, device=device)
-        backends.get(backend).tally(stacked.to(device), out, n, mode, votes == "ternary", step)
-        assert torch.equal(out.cpu(), expected), f"aggregate differs at step {step}"
+        # the step as an int, and (where it matters: the binary tie rule) as the step counter
+        # on the device (read there)
+        givens = [step]
+        if mode == "vote" and votes == "binary":
+            givens.append(torch.tensor([step], dtype=torch.int64, device=device))
+        for given in givens:
+            out = torch.full((blocks * planes_out,), 12345, dtype=torch.int32, device=device)
+            backends.get(backend).tally(stacked.to(device), out, n, mode, votes == "ternary",
+                                        given)
+            assert torch.equal(out.cpu(), expected), f"aggregate differs at step {given}"
 
 
 def test_binary_tie_rule_is_balanced():
@@ -155,6 +162,75 @@ def test_apply(backend, votes, mode, dtype, case, n):
         assert_close_storage(a, e)
     for a, e in zip(dev_m, ref_m):
         assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode, votes", [("vote", "binary"), ("average", "ternary")])
+def test_stages_on_whole_chunks(backend, dtype, mode, votes):
+    """Tensors of whole chunks (2048 elements: the Triton interpreter's chunk for these sizes,
+    so its unmasked vector path runs on the CPU too) beside a tail, separate (aligned) and as
+    views at an odd offset of one buffer (unaligned): the local step and the apply (x and m)
+    equal the reference."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(29)
+    sizes, n, ternary = [2048, 33, 2048, 2048], 3, votes == "ternary"
+    offsets, total = block_offsets(sizes)
+    flat_g = torch.randn(1 + 2 * 2048, generator=gen).to(dtype)
+    flat_x = torch.randn(1 + 2 * 2048, generator=gen).to(dtype)
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in sizes[:2]] + \
+        [flat_g[1:2049], flat_g[2049:]]
+    params = [torch.randn(s, generator=gen).to(dtype) for s in sizes[:2]] + \
+        [flat_x[1:2049], flat_x[2049:]]
+    moms = [torch.randn(s, generator=gen) for s in sizes]
+    planes = vote_planes(votes)
+    ref_v = torch.zeros(total * planes, dtype=torch.int32)
+    reference.local_step(grads, moms, ref_v, offsets, 0.9, ternary)
+    dev = backends.get(backend)
+    flat_g_dev, flat_x_dev = flat_g.to(device), flat_x.to(device)
+    g_dev = [g.to(device) for g in grads[:2]] + [flat_g_dev[1:2049], flat_g_dev[2049:]]
+    m_dev = [m.clone().to(device) for m in moms]
+    v_dev = torch.zeros(total * planes, dtype=torch.int32, device=device)
+    dev.local_step(g_dev, m_dev, v_dev, offsets, 0.9, ternary)
+    assert torch.equal(v_dev.cpu(), ref_v), "votes differ from the reference"
+    aggregate = _random_aggregate(sizes, mode, votes, n, gen)
+    expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+    reference.apply(expected, grads, ref_m, aggregate, offsets, 3e-3, 0.1, 0.99, n, mode, ternary)
+    x_dev = [p.to(device) for p in params[:2]] + [flat_x_dev[1:2049], flat_x_dev[2049:]]
+    dev.apply(x_dev, g_dev, m_dev, aggregate.to(device), offsets, 3e-3, 0.1, 0.99, n, mode,
+              ternary)
+    for a, e in zip(x_dev, expected):
+        assert_close_storage(a, e)
+    for a, e in zip(m_dev, ref_m):
+        assert torch.equal(a.cpu(), e), "momentum differs from the reference"
+
+
+@pytest.mark.parametrize("backend", fast_backends())
+@pytest.mark.parametrize("votes, ns", [("binary", (255, 256)), ("ternary", (127, 128))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_apply_average_on_both_sides_of_the_table(backend, votes, ns, dtype):
+    """The average apply reads D from a table up to 8 bit planes and divides per element above
+    (n = 255 / 256 binary, 127 / 128 ternary: 8 and 9 planes); both equal the reference."""
+    sizes = SIZES["mixed"]
+    device = backend_device(backend)
+    for n in ns:
+        gen = torch.Generator().manual_seed(n)
+        offsets, _ = block_offsets(sizes)
+        aggregate = _random_aggregate(sizes, "average", votes, n, gen)
+        params = [torch.randn(s, generator=gen).to(dtype) for s in sizes]
+        grads = _grads(sizes, dtype, "cpu", gen, {1})
+        moms = [torch.randn(s, generator=gen) for s in sizes]
+        expected, ref_m = [p.clone() for p in params], [m.clone() for m in moms]
+        reference.apply(expected, grads, ref_m, aggregate, offsets, 3e-3, 0.1, 0.99, n,
+                        "average", votes == "ternary")
+        actual, dev_m = [p.to(device) for p in params], [m.to(device) for m in moms]
+        g_dev = [None if g is None else g.to(device) for g in grads]
+        backends.get(backend).apply(actual, g_dev, dev_m, aggregate.to(device), offsets, 3e-3,
+                                    0.1, 0.99, n, "average", votes == "ternary")
+        for a, e in zip(actual, expected):
+            assert_close_storage(a, e)
+        for a, e in zip(dev_m, ref_m):
+            assert torch.equal(a.cpu(), e), f"n={n}: momentum differs from the reference"
 
 
 @pytest.mark.parametrize("backend", ["torch", *fast_backends()])

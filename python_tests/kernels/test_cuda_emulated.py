@@ -112,7 +112,8 @@ class EmuC:
         i64, i32, f32, u32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_uint32
         err = [ctypes.c_char_p, ctypes.c_size_t]
         lib.emu_cuda_local_step.argtypes = [i64, i64, i64, i32, i64, f32, f32, i32, i32, i64, *err]
-        lib.emu_cuda_tally.argtypes = [i64, i64, i64, i64, i64, i32, i32, u32, i32, i64, *err]
+        lib.emu_cuda_tally.argtypes = [i64, i64, i64, i64, i64, i32, i32, u32, i64, i32, i64,
+                                       *err]
         lib.emu_cuda_apply.argtypes = [i64, i64, i64, i32, i32, i64, f32, f32, f32, f32, i64, i32,
                                        i32, i64, i32, i64, *err]
         fs = ctypes.POINTER(ctypes.c_float)
@@ -233,10 +234,12 @@ class Arena:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _random_words(n: int, dtype, gen) -> torch.Tensor:
+    if dtype == torch.int64:
+        return torch.randint(-(2**62), 2**62, (n,), generator=gen, dtype=torch.int64)
     if dtype == torch.int32:
         return torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(dtype)
     return torch.randn(n, generator=gen).to(dtype)
@@ -390,16 +393,21 @@ def _check_tally(emu, mode, ternary, ns):
             if n == 300:  # mostly agreeing votes, so that counts reach the top planes
                 stacked[: n * blocks * p_in // 2] = -1
             p_out = aggregate_planes(mode, "ternary" if ternary else "binary", n)
-            for step in (0, 1) if mode == "vote" and not ternary else (0,):
+            steps = (0, 1, 6, 7) if mode == "vote" and not ternary else (0,)
+            for step in steps:
                 expected = torch.zeros(p_out * blocks, dtype=torch.int32)
-                reference.tally(stacked, expected, n, mode, ternary, step)
+                reference.tally(stacked, expected, n, mode, ternary, step % 2)
                 out = arena.put(torch.full((p_out * blocks,), 7, dtype=torch.int32))
+                # steps 6 and 7: the step counter read by the kernel (a captured step)
+                counter = arena.put(torch.tensor([step], dtype=torch.int64)) if step > 1 else None
                 emu.lib.emu_set_max_grid(max_grid)
                 try:
-                    kernels.tally(stacked, out, n, mode, ternary, step)
+                    kernels.tally(stacked, out, n, mode, ternary,
+                                  step if counter is None else counter)
                 finally:
                     emu.lib.emu_set_max_grid(0)
-                assert torch.equal(out, expected), f"n={n} blocks={blocks} grid<={max_grid}"
+                assert torch.equal(out, expected), f"n={n} blocks={blocks} grid<={max_grid} " \
+                    f"step {step}"
                 arena.check()
 
 
@@ -437,6 +445,34 @@ def test_apply(emu, x_dtype, g_dtype, mode, ternary):
         before = [_bits(t).clone() for t in xs + ms]
         kernels.apply(xs, gs, ms, agg, offsets, 1e-2, 0.1, 0.99, n, mode, ternary, skip=skip)
         assert all(torch.equal(_bits(t), b) for t, b in zip(xs + ms, before)), "skip=1 wrote"
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ternary", [False, True], ids=["binary", "ternary"])
+def test_apply_average_plane_counts(emu, x_dtype, ternary):
+    """The average apply's two decodes: up to 8 planes from words the warp loads once and a
+    table of D in shared memory, above 8 per thread; n on both sides of 8 planes (binary 255 /
+    256, ternary 127 / 128). Whole chunks take the plain vector loads (a 4096-element tensor, and
+    one without gradient, which takes the checked loads), the rest the checked ones."""
+    gen = torch.Generator().manual_seed(17)
+    kernels = EmuBackend(emu)
+    votes = "ternary" if ternary else "binary"
+    sizes = [4096, 4096, 4097, 33, 5]
+    for n in (127, 128) if ternary else (255, 256):
+        arena = Arena(gen)
+        xs = [arena.put(_values(k, x_dtype, gen), 1 if k == 33 else 0) for k in sizes]
+        gs = [arena.put(_values(k, x_dtype, gen)) for k in sizes]
+        gs[1] = None
+        ms = [arena.put(_values(k, torch.float32, gen)) for k in sizes]
+        offsets, total = block_offsets(sizes)
+        planes = aggregate_planes("average", votes, n)
+        agg = arena.put(_random_words(total * planes, torch.int32, gen))
+        ex, em = [x.clone() for x in xs], [m.clone() for m in ms]
+        reference.apply(ex, gs, em, agg, offsets, 1e-2, 0.1, 0.99, n, "average", ternary)
+        kernels.apply(xs, gs, ms, agg, offsets, 1e-2, 0.1, 0.99, n, "average", ternary)
+        for i, (a, e) in enumerate(zip(xs + ms, ex + em)):
+            assert_same(a, e, f"n={n} ({planes} planes) tensor {i}")
+        arena.check()
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES, ids=str)

@@ -85,6 +85,12 @@ def _snap(model, diloco):
             [t.clone() for t in diloco.theta_bar], [m.clone() for m in diloco.outer_momenta])
 
 
+def _plain(outer: str) -> dict:
+    """``outer``, with the plain 1-bit step for "dlion" (every option off): the reference here
+    is the plain step's math (the default adds error feedback: test_outer_options.py)."""
+    return dict(outer=outer, outer_options=dk.DLionOuterOptions() if outer == "dlion" else None)
+
+
 def _run(rank, n, steps, inner_kind="adamw", **kwargs):
     """``steps`` inner steps with a DiLoCo(**kwargs); per step the state before and after
     ``diloco.step()``, the collectives it called and its stats."""
@@ -196,7 +202,7 @@ def _reference_worker(rank, n):
         inner_kind = ("accum-adamw" if outer == "nesterov" else
                       "accum-lion" if (mode, votes) == ("average", "binary") else "adamw")
         out[outer, mode, votes] = _run(
-            rank, n, STEPS, inner_kind, sync_every=H, outer=outer, outer_lr=LR,
+            rank, n, STEPS, inner_kind, sync_every=H, **_plain(outer), outer_lr=LR,
             outer_betas=BETAS, outer_weight_decay=WD if outer == "dlion" else 0.0,
             outer_momentum=MU, mode=mode, votes=votes)
     return out
@@ -250,7 +256,7 @@ def _fragments_worker(rank, n):
     for outer in ("dlion", "nesterov"):
         for h, p, tau, alpha in FRAGMENT_CASES:
             out[outer, h, p, tau, alpha] = _run(
-                rank, n, 2 * h + tau + 1, sync_every=h, outer=outer, outer_lr=LR,
+                rank, n, 2 * h + tau + 1, sync_every=h, **_plain(outer), outer_lr=LR,
                 outer_betas=BETAS, outer_weight_decay=WD if outer == "dlion" else 0.0,
                 fragments=p, overlap_steps=tau, merge_alpha=alpha, mode="average",
                 votes="ternary")
@@ -319,7 +325,7 @@ def _nonfinite_worker(rank, n):
         for policy in ("raise", "skip"):
             model = _model()
             inner = _inner("adamw", model)
-            diloco = DiLoCo(model, inner, sync_every=2, outer=outer, outer_lr=LR,
+            diloco = DiLoCo(model, inner, sync_every=2, **_plain(outer), outer_lr=LR,
                             nonfinite=policy)
             res = dict(error=None)
             for t in range(1, 7):
@@ -459,7 +465,7 @@ def test_frozen_parameters_are_left_out():
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
     inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    diloco = DiLoCo(model, inner, sync_every=2, outer="dlion", outer_lr=LR)
+    diloco = DiLoCo(model, inner, sync_every=2, **_plain("dlion"), outer_lr=LR)
     assert [t.shape for t in diloco.theta_bar] == [(33,), (3, 33), (3,)]
     for t in range(1, 5):
         _inner_step(model, inner, 0, t)
@@ -475,7 +481,7 @@ def test_half_precision_parameters(dtype):
     model = _model(dtype=dtype)
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
     for outer in ("dlion", "nesterov"):
-        diloco = DiLoCo(model, inner, sync_every=2, outer=outer, outer_lr=LR)
+        diloco = DiLoCo(model, inner, sync_every=2, **_plain(outer), outer_lr=LR)
         for t in range(1, 5):
             _inner_step(model, inner, 0, t)
             diloco.step()

@@ -126,7 +126,9 @@ def _sync_worker(rank, n, N):
         diloco = DiLoCo(net, inner, sync_every=h, outer=outer, outer_lr=LR, outer_betas=BETAS,
                         outer_weight_decay=WD if outer == "dlion" else 0.0, mode=mode,
                         votes=votes, fragments=p, overlap_steps=tau, merge_alpha=ALPHA,
-                        device_mesh=mesh)
+                        device_mesh=mesh,
+                        # the reference is the plain step's math: every option off
+                        outer_options={} if outer == "dlion" else None)
         index = {id(q): i for i, q in enumerate(net.parameters())}
         records = []
         for t in range(1, STEPS + 1):

@@ -131,10 +131,13 @@ def check_sync(ranks, t, idx, n, cfg):
 
 def _worker(rank, n):
     out = {name: run(rank, n, STEPS, **cfg) for name, cfg in CONFIGS.items()}
-    # options all off, as a dataclass or a dict: the plain step
-    out["plain"] = run(rank, n, STEPS, outer_lr=LR)
-    out["off"] = run(rank, n, STEPS, outer_lr=LR, outer_options=DLionOuterOptions())
+    # options all off, as a dataclass or a dict: the plain step; no options: the default,
+    # error feedback halved at every sync
+    out["plain"] = run(rank, n, STEPS, outer_lr=LR, outer_options=DLionOuterOptions())
     out["off-dict"] = run(rank, n, STEPS, outer_lr=LR, outer_options={})
+    out["default"] = run(rank, n, STEPS, outer_lr=LR)
+    out["ef-decay-0.5"] = run(rank, n, STEPS, outer_lr=LR, outer_options=DLionOuterOptions(
+        error_feedback=True, ef_decay=0.5))
     on = dict(outer_options=DLionOuterOptions(error_feedback=True, scale=True), outer_lr=0.5)
     out["nan-raise"] = run(rank, n, STEPS, poison=(3, 1), **on)
     out["nan-skip"] = run(rank, n, STEPS, poison=(3, 1), nonfinite="skip", **on)
@@ -184,18 +187,22 @@ def test_bytes_per_sync_are_the_exchange_plus_the_scales(ranks, name):
         assert "outer_options" in rec["keys"]
 
 
-def test_options_off_is_the_plain_step_bit_for_bit(ranks):
+def _same_runs(a_run, b_run) -> None:
+    a, b = a_run["records"], b_run["records"]
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for k in range(3):
+            assert all(torch.equal(u, v) for u, v in zip(x["after"][k], y["after"][k]))
+        assert x["counted"] == y["counted"]
+    assert a_run["keys"] == b_run["keys"]
+
+
+def test_options_off_is_the_plain_step_and_none_the_default_bit_for_bit(ranks):
     for rank in ranks:
-        plain = rank["plain"]["records"]
-        for name in ("off", "off-dict"):
-            other = rank[name]["records"]
-            assert len(other) == len(plain)
-            for a, b in zip(plain, other):
-                for k in range(3):
-                    assert all(torch.equal(x, y) for x, y in zip(a["after"][k], b["after"][k]))
-                assert a["counted"] == b["counted"]
-            assert rank[name]["keys"] == rank["plain"]["keys"]
+        _same_runs(rank["plain"], rank["off-dict"])
         assert "outer_options" not in rank["plain"]["keys"]
+        _same_runs(rank["default"], rank["ef-decay-0.5"])
+        assert "outer_options" in rank["default"]["keys"]
     # and the plain step is the D-Lion outer step (the reference of test_diloco.py)
     for t in (3, 6):
         check_outer_step([dict(records=[dict(before=r["before"][:3], after=r["after"][:3])
@@ -306,15 +313,6 @@ def test_a_checkpoint_of_other_options_is_refused_with_nothing_changed():
         _equal_state(before, _state(target))
     fresh.load_state_dict(saved)  # and the right one loads
     _equal_state(_state(with_ef), _state(fresh))
-
-
-def test_fsdp_mesh_is_refused():
-    from dlion_kernels.local_steps import outer_options
-
-    with pytest.raises(ValueError, match="FSDP2"):
-        outer_options.check("dlion", DLionOuterOptions(error_feedback=True), "binary", True)
-    with pytest.raises(ValueError, match="FSDP2"):
-        outer_options.check("sparseloco", None, "binary", True)
 
 
 @pytest.mark.parametrize("outer, opts", [

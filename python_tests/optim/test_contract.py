@@ -263,18 +263,20 @@ def test_copies_keep_every_option(options, how):
 
 def test_implementation_flags():
     params = _model().parameters
-    for flag in ("foreach", "fused"):
+    for flag in ("foreach", "fused", "capturable"):
         for value in (None, True, False):
             dk.DistributedLion(params(), **{flag: value})
-    for flag in ("capturable", "differentiable"):
-        dk.DistributedLion(params(), **{flag: False})
-        with pytest.raises(ValueError, match=flag):
-            dk.DistributedLion(params(), **{flag: True})
+    dk.DistributedLion(params(), differentiable=False)
+    with pytest.raises(ValueError, match="differentiable"):
+        dk.DistributedLion(params(), differentiable=True)
     with pytest.raises(ValueError, match="foreach"):
         dk.DistributedLion(params(), foreach="yes")
-    opt = dk.DistributedLion(_model().parameters())
     with pytest.raises(ValueError, match="capturable"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "capturable": True})
+        dk.DistributedLion(params(), capturable="yes")
+    opt = dk.DistributedLion(_model().parameters())
+    with pytest.raises(ValueError, match="differentiable"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))],
+                             "differentiable": True})
     assert len(opt.param_groups) == 1
 
 

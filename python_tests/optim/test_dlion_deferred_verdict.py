@@ -49,7 +49,7 @@ def _run(rank, deferred, overlap, scaled):
             scaler.update()
         else:
             opt.step()
-        pending = opt._path.pending is not None
+        pending = opt.decision_pending
         counts = [opt.state[p]["step"] for p in model.parameters()]
         skipped = opt.last_stats.skipped  # settles
         trace.append(dict(pending=pending, counts_before_settle=counts, skipped=skipped,
@@ -117,7 +117,7 @@ def _mismatch(rank, n):
         error = str(e)
     return dict(unchanged=unchanged, error=error, counts_before=counts,
                 counts_after=[opt.state[p]["step"] for p in model.parameters()],
-                pending=opt._path.pending is not None)
+                pending=opt.decision_pending)
 
 
 def test_deferred_step_mismatch_raises_at_next_step():
@@ -164,6 +164,6 @@ def test_no_host_sync_on_cuda_with_skip(overlap, dtype, backend):
     syncs = [f"{w.filename}:{w.lineno}" for w in caught
              if "called a synchronizing CUDA operation" in str(w.message)]
     assert not syncs, syncs
-    assert opt._path.pending is not None
+    assert opt.decision_pending
     stats = opt.last_stats  # settles the step: one read of the headers, now
-    assert stats.skipped is False and opt._path.pending is None
+    assert stats.skipped is False and not opt.decision_pending

@@ -242,7 +242,7 @@ def _check_vs_hierarchy(n, L, variants, bucket_mb, buckets):
                 assert row["counted"] == (intra, exact), (where, row["counted"])
                 assert row["counted"][1] <= spec + padding, where
                 assert row["stats"] == (intra, exact, intra + exact, d, N, L, False,
-                                        "ShardedStepStats"), (where, row["stats"])
+                                        "StepStats"), (where, row["stats"])
 
 
 def test_2x2_against_hierarchy():
