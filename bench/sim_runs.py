@@ -78,7 +78,7 @@ def outer_settings(method: str) -> dict:
     if method == "sparseloco":
         return dict(outer="sparseloco")
     if method == "dlion":
-        return dict(outer="dlion", outer_betas=BETAS)
+        return dict(outer="dlion", outer_betas=BETAS, outer_options={})  # the plain step
     if method == "dlion-ef":
         return dict(outer="dlion", outer_betas=BETAS, outer_options=dict(error_feedback=True))
     g = _decay(method)

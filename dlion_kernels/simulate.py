@@ -51,6 +51,7 @@ from .accounting import ring_all_reduce_bytes
 from .exchange.checks import check_hyperparameters, check_options
 from .exchange.pipeline import NonFiniteGradientError, StepStats
 from .kernels import backends
+from .local_steps import outer_options as outer_options_
 from .kernels.layout import (
     HEADER_WORDS,
     WORD_BYTES,
@@ -331,12 +332,8 @@ class SimSyncStats:
 
 
 def _field(options, name, default):
-    """An option's value from a ``DLionOuterOptions``/``SparseLoCoOptions``, a dict, or None."""
-    if options is None:
-        return default
-    if isinstance(options, dict):
-        return options.get(name, default)
-    return getattr(options, name, default)
+    """An option's value from a checked ``DLionOuterOptions``/``SparseLoCoOptions`` or None."""
+    return default if options is None else getattr(options, name, default)
 
 
 class SimulatedDiLoCo:
@@ -348,9 +345,9 @@ class SimulatedDiLoCo:
         ``step()`` after every worker's inner step (every ``sync_every``-th call syncs).
     outer, outer_lr, outer_betas, outer_weight_decay, outer_momentum, mode, votes, backend,
         nonfinite: ``DiLoCo``'s (outer_lr has no default here: pass the one you study).
-    outer_options: for "dlion" a ``dk.DLionOuterOptions`` or a dict of its fields
-        (error_feedback, ef_decay, scale, threshold); for "sparseloco" a
-        ``dk.SparseLoCoOptions`` or a dict (chunk, topk, ef_decay; defaults 4096, 64, 0.95).
+    outer_options: ``DiLoCo``'s: None for its default (for "dlion" error feedback halved at
+        every sync), a ``dk.DLionOuterOptions`` or ``dk.SparseLoCoOptions`` or a dict of its
+        fields; ``DLionOuterOptions()`` (every option off) is the plain step.
 
     ``theta_bar`` (flat fp32, views by ``theta_bar_views()``), ``momentum`` [k, d] (Nesterov:
     one row, shared), ``residual`` [k, d] or None, ``bytes_sent`` (every sync added up) and
@@ -401,21 +398,15 @@ class SimulatedDiLoCo:
                 raise ValueError(f"worker {w} does not start from worker 0's parameters")
         rows = 1 if outer == "nesterov" else k
         self.momentum = torch.zeros(rows, L.numel, dtype=_F32, device=device)
-        self.error_feedback = outer == "dlion" and bool(_field(outer_options, "error_feedback",
-                                                                False))
-        self.ef_decay = float(_field(outer_options, "ef_decay", 1.0 if outer == "dlion"
-                                     else 0.95))
-        self.scale = outer == "dlion" and bool(_field(outer_options, "scale", False))
-        self.threshold = float(_field(outer_options, "threshold", 0.0)) if outer == "dlion" \
-            else 0.0
-        if self.threshold > 0 and votes != "ternary":
-            raise ValueError("a threshold needs votes='ternary'")
-        self.options = outer == "dlion" and (self.error_feedback or self.scale
-                                             or self.threshold > 0)
-        self.chunk = int(_field(outer_options, "chunk", 4096))
-        self.topk = int(_field(outer_options, "topk", 64))
-        if outer == "sparseloco" and not 1 <= self.topk <= self.chunk:
-            raise ValueError(f"topk must be in [1, chunk], got {self.topk} and {self.chunk}")
+        # the options as DiLoCo resolves them (None: its default; all off: the plain step)
+        options = outer_options_.check(outer, outer_options, votes)
+        self.error_feedback = outer == "dlion" and _field(options, "error_feedback", False)
+        self.ef_decay = float(_field(options, "ef_decay", 1.0))
+        self.scale = outer == "dlion" and _field(options, "scale", False)
+        self.threshold = float(_field(options, "threshold", 0.0)) if outer == "dlion" else 0.0
+        self.options = outer == "dlion" and options is not None
+        self.chunk = int(_field(options, "chunk", 4096))
+        self.topk = int(_field(options, "topk", 64))
         self.residual = torch.zeros(k, L.numel, dtype=_F32, device=device) \
             if self.error_feedback else None
         self._votes = _Votes(L, k, mode, votes, self.backend, device) if outer == "dlion" \

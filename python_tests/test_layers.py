@@ -33,13 +33,13 @@ FLOORS = [
     ("dlion_kernels.kernels", 1),  # the fused stages on every backend
     ("dlion_kernels.launch", 1),  # local gloo ranks for tests, benchmarks and the demo
     ("dlion_kernels.exchange", 2),  # the D-Lion protocol on a process group (and sharded.py)
-    ("dlion_kernels.simulate", 2),  # the protocol's stages for k workers in one process
     ("dlion_kernels.plan.measure", 2),  # the runtime model on a live group: calibration
     ("dlion_kernels.plan.auto", 2),
     ("dlion_kernels.plan.__main__", 2),  # its CLI (--measure)
     ("dlion_kernels.optim", 3),  # torch.optim front ends
     ("dlion_kernels.decentralized", 3),  # gossip training
     ("dlion_kernels.local_steps", 3),  # local steps (DiLoCo)
+    ("dlion_kernels.simulate", 3),  # D-Lion and DiLoCo on k workers in one process
     ("dlion_kernels.elastic", 3),  # torchft's quorum around a step (the optional dependency)
     ("dlion_kernels.checkpoint", 4),  # per-rank optimizer checkpoints
     ("dlion_kernels.recipes", 4),  # a named strategy built on a rank
