@@ -8,7 +8,7 @@ gradient (or its local parameters), its momentum and its residual are its own, t
 job, in the same order, so the result is bit-identical to it on gloo
 (``python_tests/test_simulate.py`` checks that at k = 2, 3 and 4 for every step below):
 
-- ``SimulatedDLion``: ``DistributedLion``'s step (§1 of the contract). Each worker's local step
+- ``SimulatedDLion``: ``DistributedLion``'s step. Each worker's local step
   packs its votes into row w of a [k, blocks x planes] buffer (the backend's ``local_step``, one
   launch for all workers), the backend's ``tally`` counts the k rows at once (the multi-process
   exchange tallies the same rows shard by shard: the tally is per element, so the words are the
@@ -16,7 +16,7 @@ job, in the same order, so the result is bit-identical to it on gloo
   worker's momentum (applied to a scratch copy of the parameters, which is dropped: the apply
   kernel is the one place the momentum update is written, so every backend keeps its own
   rounding). The binary tie rule's step is the step counter from 0, as the optimizer's.
-- ``SimulatedDiLoCo``: ``DiLoCo``'s sync (§11, §13) with ``outer`` "dlion" (plain, or with
+- ``SimulatedDiLoCo``: ``DiLoCo``'s sync with ``outer`` "dlion" (plain, or with
   error feedback, its decay, a per-tensor scale, a ternary threshold), "nesterov" or
   "sparseloco"; one fragment, no overlap. Pseudo-gradients d_w = theta_bar - theta_w in fp32;
   the D-Lion steps run the stages above (with the options, on a zero buffer that receives -D, as
