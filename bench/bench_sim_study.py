@@ -74,6 +74,9 @@ CENTRES = {
     "stdlib": {"adamw": 3e-3, "lion": 5e-4, "dlion-vote-binary": 5e-4,
                "dlion-vote-ternary": 5e-4, "dlion-average-binary": 1e-3,
                "dlion-average-ternary": 1e-3, "nesterov": 0.5, "sparseloco": 2.8},
+    "stdlib-30m": {"adamw": 1e-3, "lion": 2e-4, "dlion-vote-binary": 2e-4,
+                   "dlion-vote-ternary": 2e-4, "dlion-average-binary": 4e-4,
+                   "dlion-average-ternary": 4e-4, "nesterov": 0.5, "sparseloco": 2.8},
 }
 LABELS = {
     "adamw": "AdamW, all-reduce", "lion": "Lion, all-reduce",

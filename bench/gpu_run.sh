@@ -11,11 +11,14 @@
 #   nccl     DistributedLion over NCCL with one GPU (world_size=1, torchrun), bit-identical to
 #            the reference backend (bench/gpu_nccl_check.py)
 #   demo     the digits demo under torchrun --nproc-per-node 1 (NCCL)
+#   sim      the per-step study on 16 simulated workers with the 31.8M-parameter byte GPT
+#            (bench/bench_sim_study.py per-step --tasks stdlib-30m --device cuda): the vote and
+#            average against Lion and AdamW on the all-reduced gradient, lrs tuned, 3 seeds
 # and writes everything to the results folder: info.txt (date, command, git commit, host,
 # device name, driver, versions of Python, torch, CUDA, triton, nvcc, lion-pytorch), steps.tsv
 # (step, status, exit code, seconds, log) and one log per step (plus the benchmarks' files).
 #
-#   bash bench/gpu_run.sh [--steps build,bench,accum,tests,compile,nccl,demo] [--tar FILE]
+#   bash bench/gpu_run.sh [--steps build,bench,accum,tests,compile,nccl,demo,sim] [--tar FILE]
 #                         [--tests "PYTEST ARGS"] [--bench-args "ARGS"] [--accum-args "ARGS"]
 #                         [--step-seconds N] [--budget-seconds N]
 #   bash bench/gpu_run.sh --short
@@ -45,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS="build,bench,accum,tests,compile,nccl,demo"  # in the order they run
+ALL_STEPS="build,bench,accum,tests,compile,nccl,demo,sim"  # in the order they run
 STEPS="$ALL_STEPS"
 TAR=""
 TESTS=""
@@ -249,6 +252,8 @@ step compile 1 env -u TRITON_INTERPRET "$PY" python_tests/kernels/compile_triton
 step nccl 1 "$PY" -m torch.distributed.run --nproc-per-node 1 bench/gpu_nccl_check.py \
   --out "$RESULTS/nccl.jsonl"
 step demo 1 "$PY" -m torch.distributed.run --nproc-per-node 1 -m dlion_kernels.demo --epochs 10
+step sim 1 "$PY" bench/bench_sim_study.py per-step --tasks stdlib-30m --workers 16 \
+  --methods dlion-vote-binary dlion-average-binary --device cuda --out "$RESULTS/sim_study"
 
 echo "results: $RESULTS"
 column -t -s $'\t' "$RESULTS/steps.tsv" 2>/dev/null || cat "$RESULTS/steps.tsv"

@@ -12,6 +12,8 @@ global batch of every step and the validation loss, for k workers simulated in o
   file whose path (relative, '/'-separated) has a CRC-32 divisible by 20 is validation text
   (about 5%), every other one training text. The files are joined in sorted order with a
   newline between them. Validation: 256 windows evenly spaced over the validation text.
+- ``stdlib-30m``: the same data and batch with a GPT of width 512, 8 heads and 10 blocks
+  (31.8M parameters), for a GPU.
 
 Every step's global batch (``Task.batch_starts``) is drawn from a generator seeded by the seed
 alone, the same for every method and every number of workers; worker w of k takes rows
@@ -35,6 +37,8 @@ from dlion_kernels.demo import chars
 BYTES = 256
 GPT_WIDTH, GPT_HEADS, GPT_LAYERS, GPT_CONTEXT = 128, 4, 4, 32
 GPT_EVAL_WINDOWS = 256
+# the same GPT at about 30M parameters, for a GPU (width 512, 8 heads, 10 blocks)
+GPT_LARGE_WIDTH, GPT_LARGE_HEADS, GPT_LARGE_LAYERS = 512, 8, 10
 VALIDATION_EVERY = 20  # a file goes to validation when crc32(path) % 20 == 0
 
 
@@ -129,7 +133,7 @@ def _stdlib_data():
             torch.frombuffer(val, dtype=torch.uint8).clone())
 
 
-_DATA = {"chars": _chars_data, "stdlib": _stdlib_data}
+_DATA = {"chars": _chars_data, "stdlib": _stdlib_data, "stdlib-30m": _stdlib_data}
 
 
 # ----------------------------------------------------------------------------- models
@@ -187,7 +191,12 @@ def _stdlib_model(seed: int):
     return ByteGPT(BYTES, GPT_WIDTH, GPT_HEADS, GPT_LAYERS, GPT_CONTEXT)
 
 
-_MODELS = {"chars": _chars_model, "stdlib": _stdlib_model}
+def _stdlib_large_model(seed: int):
+    torch.manual_seed(seed)
+    return ByteGPT(BYTES, GPT_LARGE_WIDTH, GPT_LARGE_HEADS, GPT_LARGE_LAYERS, GPT_CONTEXT)
+
+
+_MODELS = {"chars": _chars_model, "stdlib": _stdlib_model, "stdlib-30m": _stdlib_large_model}
 
 TASKS = {
     # the outer study's settings: 32 windows per worker at k = 4, AdamW lr 3e-3, wd 0.01,
@@ -197,6 +206,9 @@ TASKS = {
     # 64 windows of 32 bytes: one window per worker at k = 64
     "stdlib": Task("stdlib", batch=64, inner_lr=3e-3, weight_decay=1e-2, steps=256,
                    tokens_per_window=GPT_CONTEXT),
+    # the GPU's task: the same data and batch, a model 36x larger, a lower lr
+    "stdlib-30m": Task("stdlib-30m", batch=64, inner_lr=1e-3, weight_decay=1e-2, steps=256,
+                       tokens_per_window=GPT_CONTEXT),
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_run.sh")
 pytestmark = pytest.mark.bench
-GPU_STEPS = ["bench", "accum", "tests", "compile", "nccl", "demo"]  # in the order they run
+GPU_STEPS = ["bench", "accum", "tests", "compile", "nccl", "demo", "sim"]  # in the order they run
 
 
 def _gpu_run(out, *args, python=sys.executable):
@@ -39,7 +39,7 @@ def test_dry_run_skips_every_gpu_step_and_describes_the_machine(tmp_path):
                  f"torch: {torch.__version__}", "triton: ", "lion_pytorch: ", "nvcc: ",
                  "nvidia-smi", "dlion_kernels native: ", "gpu: dry run (GPU_RUN_DRY=1)"):
         assert line in info, f"{line!r} missing from info.txt:\n{info}"
-    assert "--steps bench,accum,tests,compile,nccl,demo" in info
+    assert "--steps bench,accum,tests,compile,nccl,demo,sim" in info
     steps = _steps(out)
     assert list(steps) == GPU_STEPS
     for name in GPU_STEPS:
