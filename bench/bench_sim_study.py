@@ -569,20 +569,13 @@ def summarize(out_dir: str, tune_seed: int = TUNE_SEED, seeds=SEEDS, inputs=None
             for r in sorted(sub, key=lambda r: (r["steps"], r["k"], r["H"], _order(r))):
                 loss = f"{r['loss_mean']:.4f} ({r['loss_std']:.4f})"
                 lr = f"{r['lr']:g}{'*' if r['edge'] else ''}"
-                if per:
-                    vs = r.get("vs_adamw_pct")
-                    bv = r.get("bytes_vs_adamw")
-                    lines.append(f"| {r['tokens']:,} | {r['k']} | {r['label']} | {lr} | {loss} "
-                                 f"| {'-' if vs is None else f'{vs:+.2f}%'} | "
-                                 f"{r['bytes_per_sync']:,} | "
-                                 f"{'-' if not bv else f'1/{1 / bv:.1f}'} |")
-                else:
-                    vs = r.get("vs_nesterov_pct")
-                    bv = r.get("bytes_vs_nesterov")
-                    lines.append(f"| {r['tokens']:,} | {r['k']} | {r['H']} | {r['label']} | "
-                                 f"{lr} | {loss} | {'-' if vs is None else f'{vs:+.2f}%'} | "
-                                 f"{r['bytes_per_sync']:,} | "
-                                 f"{'-' if not bv else f'1/{1 / bv:.1f}'} |")
+                ref = "adamw" if per else "nesterov"
+                vs, bv = r.get(f"vs_{ref}_pct"), r.get(f"bytes_vs_{ref}")
+                where = f"{r['k']} |" if per else f"{r['k']} | {r['H']} |"
+                lines.append(f"| {r['tokens']:,} | {where} {r['label']} | {lr} | {loss} "
+                             f"| {'-' if vs is None else f'{vs:+.2f}%'} | "
+                             f"{r['bytes_per_sync']:,} | "
+                             f"{'-' if not bv else f'1/{1 / bv:.1f}'} |")
             lines.append("")
     lines += targets(rows)
     lines += ["", "## Tuning (held-out seed: lr: final validation loss)", ""]

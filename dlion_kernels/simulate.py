@@ -51,6 +51,7 @@ from .accounting import ring_all_reduce_bytes
 from .exchange.checks import check_hyperparameters, check_options
 from .exchange.pipeline import NonFiniteGradientError, StepStats
 from .kernels import backends
+from .local_steps import outer as outer_steps
 from .local_steps import outer_options as outer_options_
 from .kernels.layout import (
     HEADER_WORDS,
@@ -573,29 +574,11 @@ class SimulatedDiLoCo:
         return _SPARSE_HEADER_BYTES + 8 * len(self.layout.numels) + 2 * kept + -(-kept // 4)
 
     def _compress(self, acc: torch.Tensor) -> torch.Tensor:
-        """The values one tensor's accumulator (flat) sends, dense (zeros elsewhere)."""
-        C, k = self.chunk, self.topk
-        numel = acc.numel()
-        full, rest = divmod(numel, C)
-        idx = []
-        if full:
-            runs = acc[: full * C].view(full, C)
-            top = torch.topk(runs.abs(), k, dim=1).indices
-            base = torch.arange(full, device=acc.device).unsqueeze(1) * C
-            idx.append((top + base).reshape(-1))
-        if rest:
-            kr = -(-k * rest // C)
-            idx.append(torch.topk(acc[full * C:].abs(), kr).indices + full * C)
-        index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=acc.device)
-        values = acc[index]
-        mag = values.abs()
-        s = mag.mean() if mag.numel() else mag.new_zeros(())
-        high = mag >= s
-        low_level = mag[~high].mean() if (~high).any() else mag.new_zeros(())
-        high_level = mag[high].mean() if high.any() else mag.new_zeros(())
-        level = torch.where(high, high_level, low_level)
+        """The values one tensor's accumulator (flat) sends, dense (zeros elsewhere): what
+        ``DiLoCo``'s SparseLoCo step selects and decodes."""
+        index, codes, levels = outer_steps.sparse_compress(acc, self.chunk, self.topk)
         out = torch.zeros_like(acc)
-        out[index] = torch.where(values < 0, -level, level)
+        out[index] = outer_steps.decode_values(codes, levels)
         return out
 
     def _sparseloco(self, grads, step):

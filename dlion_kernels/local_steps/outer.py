@@ -464,38 +464,42 @@ class SparseLoCoStep(WithOptions):
         return _SparseSync(self, fragment, grad, step, group)
 
     def compress(self, acc_view: torch.Tensor):
-        """(kept offsets in the tensor (int64, run by run), their 2-bit codes (uint8), the two
-        magnitudes (fp32 [2])) of one tensor's accumulator (flat)."""
-        C, k = self.options.chunk, self.options.topk
-        numel = acc_view.numel()
-        full, rest = divmod(numel, C)
-        idx = []
-        if full:
-            runs = acc_view[: full * C].view(full, C)
-            top = torch.topk(runs.abs(), k, dim=1).indices
-            base = torch.arange(full, device=acc_view.device).unsqueeze(1) * C
-            idx.append((top + base).reshape(-1))
-        if rest:
-            tail = acc_view[full * C:]
-            kr = -(-k * rest // C)
-            idx.append(torch.topk(tail.abs(), kr).indices + full * C)
-        index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64,
-                                                        device=acc_view.device)
-        values = acc_view[index]
-        mag = values.abs()
-        s = mag.mean() if mag.numel() else mag.new_zeros(())
-        high = mag >= s
-        levels = torch.stack([_mean_or_zero(mag[~high]), _mean_or_zero(mag[high])])
-        codes = (values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
-        return index, codes, levels
+        return sparse_compress(acc_view, self.options.chunk, self.options.topk)
 
+
+
+def sparse_compress(acc_view: torch.Tensor, chunk: int, topk: int):
+    """(kept offsets in the tensor (int64, run by run), their 2-bit codes (uint8), the two
+    magnitudes (fp32 [2])) of one tensor's accumulator (flat)."""
+    C, k = chunk, topk
+    numel = acc_view.numel()
+    full, rest = divmod(numel, C)
+    idx = []
+    if full:
+        runs = acc_view[: full * C].view(full, C)
+        top = torch.topk(runs.abs(), k, dim=1).indices
+        base = torch.arange(full, device=acc_view.device).unsqueeze(1) * C
+        idx.append((top + base).reshape(-1))
+    if rest:
+        tail = acc_view[full * C:]
+        kr = -(-k * rest // C)
+        idx.append(torch.topk(tail.abs(), kr).indices + full * C)
+    index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64,
+                                                    device=acc_view.device)
+    values = acc_view[index]
+    mag = values.abs()
+    s = mag.mean() if mag.numel() else mag.new_zeros(())
+    high = mag >= s
+    levels = torch.stack([_mean_or_zero(mag[~high]), _mean_or_zero(mag[high])])
+    codes = (values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
+    return index, codes, levels
 
 
 def _mean_or_zero(t: torch.Tensor) -> torch.Tensor:
     return t.mean() if t.numel() else t.new_zeros(())
 
 
-def _decode_values(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+def decode_values(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """fp32 values of 2-bit codes (bit 0: negative, bit 1: the upper magnitude)."""
     mag = torch.where((codes & 2) != 0, levels[1], levels[0])
     return torch.where((codes & 1) != 0, -mag, mag)
@@ -541,7 +545,7 @@ class _SparseSync:
             indices.append(run.to(torch.int16))
             codes.append(code)
             magnitudes.append(levels)
-            self.sent_values[start + index] = _decode_values(code, levels)
+            self.sent_values[start + index] = decode_values(code, levels)
         # [header | T magnitude pairs (fp32) | K run offsets (int16) | K 2-bit codes]
         payload = torch.cat([make_header(flag, step).view(torch.uint8),
                              torch.cat(magnitudes).view(torch.uint8),
@@ -617,7 +621,7 @@ class _SparseSync:
             pos = 0
             for t, (k, base, start) in enumerate(zip(kept, run_bases, starts)):
                 index = start + base + runs[pos: pos + k]
-                dense[index] = _decode_values(codes[pos: pos + k], levels[t])
+                dense[index] = decode_values(codes[pos: pos + k], levels[t])
                 pos += k
             total_sum += dense
         return total_sum / self.n
