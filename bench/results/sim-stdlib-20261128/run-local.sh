@@ -10,3 +10,5 @@ import json; r = json.load(open('$SWEEP/sweep.json'))['chosen']['rule']
 print({0.0: '%g' % (r['c'] * 3e-3), 1.0: '%g*H' % r['c'], 0.5: '%g*sqrtH' % r['c']}[r['power']])")
 echo "D-Lion outer step: $DLION, lr rule $RULE"
 nice -n 19 python bench_sim_study.py local --tasks stdlib --workers 64 4 --sync-every 8 --dlion $DLION --dlion-lr "$RULE" --out $OUT
+# then k = 16 (after the first two; H = 64 is 4 syncs in this budget: not run)
+nice -n 19 python bench_sim_study.py local --tasks stdlib --workers 16 --sync-every 8 --dlion $DLION --dlion-lr "$RULE" --out $OUT
