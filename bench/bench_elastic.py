@@ -340,6 +340,62 @@ class Shaped:
         return self.topo.counters(node)
 
 
+class Processes:
+    """The processes of one run, each started on a node of ``net`` with its output in its own
+    log in ``run_dir``. ``wait`` polls a condition under one deadline for the whole run and
+    fails it when a process ended with an error (a name in ``victims`` may end by SIGKILL);
+    ``fail`` raises with the tails of every log; ``stop`` ends what is left (the Lighthouse by
+    SIGTERM, the others by SIGKILL) and closes the logs."""
+
+    def __init__(self, label, script, run_dir, net, env, timeout, victims=()):
+        self.label, self.script, self.run_dir, self.net, self.env = (label, script, run_dir, net,
+                                                                     env)
+        self.deadline = time.monotonic() + timeout
+        self.victims = set(victims)
+        self.logs, self.procs = [], {}
+
+    def start(self, name, node, argv):
+        log = open(os.path.join(self.run_dir, f"{name}.log"), "w")
+        self.logs.append(log)
+        self.procs[name] = subprocess.Popen(
+            self.net.argv(node, [sys.executable, self.script] + argv),
+            env=dict(self.env, **self.net.env(node)), stdout=log, stderr=subprocess.STDOUT)
+
+    def fail(self, why):
+        for log in self.logs:
+            log.flush()
+        tails = "".join(open(log.name).read()[-2000:] for log in self.logs)
+        raise RuntimeError(f"{self.label}: {why}\n{tails}")
+
+    def wait(self, what, condition):
+        while not condition():
+            bad = {k: p.returncode for k, p in self.procs.items()
+                   if p.poll() not in (None, 0)
+                   and not (k in self.victims and p.returncode == -signal.SIGKILL)}
+            if bad or time.monotonic() > self.deadline:
+                self.fail(f"waiting for {what}: exit codes {bad}")
+            time.sleep(0.05)
+
+    def finish(self, names):
+        """Waits for ``names`` to end; fails the run unless every one exited with 0."""
+        self.wait("the end", lambda: all(self.procs[k].poll() is not None for k in names))
+        codes = {k: self.procs[k].returncode for k in names}
+        if any(codes.values()):
+            self.fail(f"exit codes {codes}")
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate() if p is self.procs.get("lighthouse") else p.kill()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        for log in self.logs:
+            log.close()
+
+
 def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     """One variant on ``net``, through the failure unless it is ``PLAIN``; returns the row
     (``measure``)."""
@@ -362,33 +418,9 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
     env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
                + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", RUST_LOG="warn",
                **common.CACHING_MALLOC_ENV)
-    me = os.path.abspath(__file__)
-    logs, procs = [], {}
-
-    def start(name, node, argv):
-        log = open(os.path.join(run_dir, f"{name}.log"), "w")
-        logs.append(log)
-        procs[name] = subprocess.Popen(net.argv(node, [sys.executable, me] + argv),
-                                       env=dict(env, **net.env(node)), stdout=log,
-                                       stderr=subprocess.STDOUT)
-
-    def fail(why):
-        for log in logs:
-            log.flush()
-        tails = "".join(open(log.name).read()[-2000:] for log in logs)
-        raise RuntimeError(f"{variant}: {why}\n{tails}")
-
-    deadline = time.monotonic() + args.timeout  # one limit for the whole run
-
-    def wait(what, condition):
-        while not condition():
-            bad = {k: p.returncode for k, p in procs.items()
-                   if p.poll() not in (None, 0) and not (k == "replica2" and p.returncode
-                                                         == -signal.SIGKILL)}
-            if bad or time.monotonic() > deadline:
-                fail(f"waiting for {what}: exit codes {bad}")
-            time.sleep(0.05)
-
+    run = Processes(variant, os.path.abspath(__file__), run_dir, net, env, args.timeout,
+                    victims=[f"replica{VICTIM}"])
+    procs = run.procs
     path = cfg["out"].format
     before = [net.counters(k) for k in range(REPLICAS)]
     load_start = _load()
@@ -397,41 +429,29 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
         if variant == PLAIN:
             names = [f"rank{i}" for i in range(REPLICAS)]
             for i, name in enumerate(names):
-                start(name, i, ["--plain-rank", cfg_path, str(i)])
+                run.start(name, i, ["--plain-rank", cfg_path, str(i)])
         else:
-            start("lighthouse", 0, ["--lighthouse", cfg_path])
-            wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
+            run.start("lighthouse", 0, ["--lighthouse", cfg_path])
+            run.wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
             for i in range(REPLICAS):
-                start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
+                run.start(f"replica{i}", i, ["--replica", cfg_path, str(i)])
             names = [f"replica{i}" for i in range(REPLICAS)]
             if not args.no_failure:
-                start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
-                wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None)
+                run.start("restart", VICTIM, ["--replica", cfg_path, str(VICTIM), "--restart"])
+                run.wait("the kill", lambda: procs[f"replica{VICTIM}"].poll() is not None)
                 if procs[f"replica{VICTIM}"].returncode != -signal.SIGKILL:
-                    fail(f"replica {VICTIM} was to be killed; exit code "
-                         f"{procs[f'replica{VICTIM}'].returncode}")
+                    run.fail(f"replica {VICTIM} was to be killed; exit code "
+                             f"{procs[f'replica{VICTIM}'].returncode}")
                 survivors = [i for i in range(REPLICAS) if i != VICTIM]
-                wait("the survivors' steps", lambda: all(
+                run.wait("the survivors' steps", lambda: all(
                     any(r.get("committed") and r["step"] >= args.restart_at
                         for r in read_records(path(i))) for i in survivors))
                 go_t = time.time()
                 open(cfg["go_file"], "w").close()
                 names = ["replica0", "replica1", "restart"]
-        wait("the end", lambda: all(procs[k].poll() is not None for k in names))
-        codes = {k: procs[k].returncode for k in names}
-        if any(codes.values()):
-            fail(f"exit codes {codes}")
+        run.finish(names)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate() if p is procs.get("lighthouse") else p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for log in logs:
-            log.close()
+        run.stop()
         _keep(run_dir, os.path.join(args.keep_runs, "runs", label))
     after = [net.counters(k) for k in range(REPLICAS)]
     records = [read_records(path(i)) for i in range(REPLICAS)]

@@ -55,7 +55,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -251,75 +250,41 @@ def one_run(variant: str, args, net, tmp: str, label: str) -> dict:
         json.dump(cfg, f)
     env = dict(os.environ, PYTHONPATH=common.REPO_ROOT + os.pathsep
                + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", RUST_LOG="warn")
-    me, logs, procs = os.path.abspath(__file__), [], {}
-
-    def start(name, node, argv):
-        log = open(os.path.join(run_dir, f"{name}.log"), "w")
-        logs.append(log)
-        procs[name] = subprocess.Popen(net.argv(node, [sys.executable, me] + argv),
-                                       env=dict(env, **net.env(node)), stdout=log,
-                                       stderr=subprocess.STDOUT)
-
-    def fail(why):
-        for log in logs:
-            log.flush()
-        tails = "".join(open(log.name).read()[-2000:] for log in logs)
-        raise RuntimeError(f"{variant}: {why}\n{tails}")
-
-    deadline = time.monotonic() + args.timeout
     victims = {f"site{VICTIM}-{q}" for q in range(RANKS)}
-
-    def wait(what, condition):
-        while not condition():
-            bad = {k: p.returncode for k, p in procs.items() if p.poll() not in (None, 0)
-                   and not (k in victims and p.returncode == -signal.SIGKILL)}
-            if bad or time.monotonic() > deadline:
-                fail(f"waiting for {what}: exit codes {bad}")
-            time.sleep(0.05)
-
+    run = be.Processes(variant, os.path.abspath(__file__), run_dir, net, env, args.timeout,
+                       victims=victims)
+    procs = run.procs
     path = {(r, q): cfg["out"].format(site=r, position=q) for r in range(SITES)
             for q in range(RANKS)}
     before = [net.counters(k) for k in range(SITES)]
     load_start, go_t, t0 = be._load(), None, time.time()
     # the Lighthouse of this script's own config (bench_elastic's, with our file names)
     try:
-        start("lighthouse", 0, ["--lighthouse", cfg_path])
-        wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
+        run.start("lighthouse", 0, ["--lighthouse", cfg_path])
+        run.wait("the Lighthouse", lambda: os.path.exists(cfg["lighthouse_file"]))
         cfg["lighthouse"] = be._published(cfg["lighthouse_file"])
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         for r in range(SITES):
             for q in range(RANKS):
-                start(f"site{r}-{q}", r, ["--rank", cfg_path, str(r), str(q)])
+                run.start(f"site{r}-{q}", r, ["--rank", cfg_path, str(r), str(q)])
         names = [f"site{r}-{q}" for r in range(SITES) for q in range(RANKS)]
         if args.kill_at is not None:
             for q in range(RANKS):
-                start(f"restart-{q}", VICTIM, ["--rank", cfg_path, str(VICTIM), str(q),
-                                               "--restart"])
-            wait("the kill", lambda: all(procs[v].poll() is not None for v in victims))
+                run.start(f"restart-{q}", VICTIM, ["--rank", cfg_path, str(VICTIM), str(q),
+                                                   "--restart"])
+            run.wait("the kill", lambda: all(procs[v].poll() is not None for v in victims))
             survivors = [k for k in path if k[0] != VICTIM]
-            wait("the survivors' steps", lambda: all(
+            run.wait("the survivors' steps", lambda: all(
                 any(x.get("step", 0) >= args.restart_at for x in read_records(path[k]))
                 for k in survivors))
             go_t = time.time()
             open(cfg["go_file"], "w").close()
             names = [n for n in names if n not in victims] + [f"restart-{q}"
                                                               for q in range(RANKS)]
-        wait("the end", lambda: all(procs[k].poll() is not None for k in names))
-        codes = {k: procs[k].returncode for k in names}
-        if any(codes.values()):
-            fail(f"exit codes {codes}")
+        run.finish(names)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate() if p is procs.get("lighthouse") else p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for log in logs:
-            log.close()
+        run.stop()
         be._keep(run_dir, os.path.join(args.out, "runs", label))
     after = [net.counters(k) for k in range(SITES)]
     records = {k: read_records(v) for k, v in path.items()}
