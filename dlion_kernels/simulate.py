@@ -522,10 +522,7 @@ class SimulatedDiLoCo:
         if self.scale:
             mine = torch.stack([torch.stack([x.abs().mean() if x.numel() else x.new_zeros(())
                                              for x in L.views(p[w])]) for w in range(k)])
-            s = mine[0].clone()
-            for r in range(1, k):  # rank order
-                s += mine[r]
-            s /= k
+            s = all_reduce_sum(mine, order="rank") / k
             for t, view in enumerate(L.views(u)):
                 view.mul_(s[t])
         lr, wd = self.outer_lr, self.outer_weight_decay

@@ -261,8 +261,9 @@ def run(args) -> dict:
                           f"{args.kill_at}", flush=True)
             if restart is not None:
                 others = [i for i in range(args.replicas) if i != victim]
-                _wait(lambda: all(any(r.get("committed") and r["step"] >= args.restart_at
-                                      for r in read_records(path[i])) for i in others), procs)
+                wait_for(lambda: all(any(r.get("committed") and r["step"] >= args.restart_at
+                                         for r in read_records(path[i])) for i in others),
+                         procs)
                 events["restart_t"] = time.time()
                 go.set()
                 if not quiet:
@@ -287,12 +288,14 @@ def run(args) -> dict:
     return summarize(records, numels, args, events, wall)
 
 
-def _wait(condition, procs, limit=600.0) -> None:
+def wait_for(condition, procs, limit: float = 600.0, who: str = "replicas") -> None:
+    """Polls ``condition`` until it holds; RuntimeError when one of ``procs`` ended with an
+    error (a SIGKILL is the demo's own kill) or after ``limit`` seconds."""
     end = time.monotonic() + limit
     while not condition():
         bad = [p.exitcode for p in procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
         if bad or time.monotonic() > end:
-            raise RuntimeError(f"replicas failed (exit codes {bad}) or timed out")
+            raise RuntimeError(f"{who} failed (exit codes {bad}) or timed out")
         time.sleep(0.05)
 
 

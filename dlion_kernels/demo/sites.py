@@ -44,7 +44,7 @@ from dlion_kernels import launch
 
 from . import chars
 from .elastic import PRELOAD as ELASTIC_PRELOAD
-from .elastic import digest, read_records
+from .elastic import digest, read_records, wait_for
 
 PRELOAD = [*ELASTIC_PRELOAD, "torch.distributed.fsdp", "dlion_kernels.local_steps.diloco"]
 
@@ -276,9 +276,9 @@ def run(args) -> dict:
                           f"step {args.kill_at} on", flush=True)
             if restarts:
                 others = [key for key in procs if key[0] != victim]
-                _wait(lambda: all(any(x.get("committed") and x["sync"] >= args.restart_at
-                                      for x in read_records(path[k])) for k in others),
-                      list(procs.values()))
+                wait_for(lambda: all(any(x.get("committed") and x["sync"] >= args.restart_at
+                                         for x in read_records(path[k])) for k in others),
+                         list(procs.values()), limit=900.0, who="sites")
                 events["restart_t"] = time.time()
                 go.set()
                 if not args.quiet:
@@ -309,15 +309,6 @@ def _log_tails(path) -> str:
             with open(p + ".log") as f:
                 tails.append(f"site {r} rank {q}:\n{f.read()[-2000:]}")
     return "\n".join(tails)
-
-
-def _wait(condition, procs, limit=900.0) -> None:
-    end = time.monotonic() + limit
-    while not condition():
-        bad = [p.exitcode for p in procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
-        if bad or time.monotonic() > end:
-            raise RuntimeError(f"sites failed (exit codes {bad}) or timed out")
-        time.sleep(0.05)
 
 
 def summarize(records, args, events, wall) -> dict:
